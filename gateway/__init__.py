@@ -1,0 +1,1 @@
+"""The live async gateway (FastAPI), built on `router/` and `predictors/` — see its issue."""

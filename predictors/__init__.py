@@ -1,0 +1,1 @@
+"""Estimates for the decision core: output-length upper bounds and workflow stage shares."""

@@ -1,0 +1,220 @@
+"""GMAX — Grouped Margin Goodput Maximization (JITServe §4.2, Alg. 1), at the gateway.
+
+For every waiting request r (vectorised with numpy, O(N log N) per decision):
+  t_gen(r)   = prefill time of its context + len_rem(r)·v_token        (upper-bound work)
+  goodput(r) = what completing it can still earn under its SLO: latency → output tokens that
+               can still meet their timeline; deadline / compound / best effort → input +
+               output tokens if t_gen fits before the deadline, else 0 — times tier weight,
+               plus δ per frame waited (starvation guard)
+  priority   = goodput / t_gen, optionally blended with fairness: (1−f)·p̂ + f·Fair(tenant)
+Batch choice: keep candidates with priority ≥ p·priority of the B-th best (B = free slots),
+sort them by input length and take the window of B with the largest total priority. The
+cutoff p is picked per frame Δ by an ε-greedy bandit over a few values, rewarded by the
+goodput realised in that frame. At frame boundaries, a running request is preempted (and
+requeued, its tokens kept) only when a waiting one's priority exceeds it by the threshold
+and the goodput gained exceeds the goodput lost to the recompute stall.
+Requests whose SLO can no longer earn anything are shed (the gateway answers 429).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+from router.policies.base import OrderingPolicy, Selection
+from router.request import Request, SLOClass
+from router.view import ReplicaView
+
+_LAT, _DL = 0, 1
+
+
+class GMAX(OrderingPolicy):
+    name = "gmax"
+
+    def __init__(
+        self,
+        frame_s: float = 0.3,
+        delta: float = 1.0,
+        fairness: float = 0.0,
+        cutoffs: Sequence[float] = (0.5, 0.7, 0.85, 0.95, 1.0),
+        explore: float = 0.1,
+        preempt: bool = True,
+        preempt_threshold: float = 0.1,
+        max_preempt_per_frame: int = 2,
+        seed: int = 0,
+    ) -> None:
+        self.frame_s = frame_s
+        self.delta = delta
+        self.fairness = fairness
+        self.cutoffs = tuple(cutoffs)
+        self.explore = explore
+        self.preempt = preempt
+        self.preempt_threshold = preempt_threshold
+        self.max_preempt_per_frame = max_preempt_per_frame
+        self.rng = random.Random(seed)
+        self.arm_value = [0.0] * len(self.cutoffs)
+        self.arm_pulls = [0] * len(self.cutoffs)
+        self.arm = len(self.cutoffs) - 2  # start at the paper's 0.95
+        self.frame_start: float | None = None
+        self.frame_reward = 0.0
+        self.served: dict[str, float] = {}  # tenant -> weighted tokens served (fairness)
+
+    @property
+    def cutoff(self) -> float:
+        return self.cutoffs[self.arm]
+
+    # -- feedback -----------------------------------------------------------------------
+    def on_service(self, req: Request, tokens: int, now: float) -> None:
+        if self.fairness > 0:
+            self.served[req.tenant] = self.served.get(req.tenant, 0.0) + tokens / max(req.tier.weight, 1e-9)
+
+    def on_finish(self, req: Request, now: float, goodput: float) -> None:
+        self.frame_reward += goodput
+
+    def _new_frame(self, now: float) -> bool:
+        """Close the frame if Δ has passed: credit the arm, pick the next one (ε-greedy)."""
+        if self.frame_start is None:
+            self.frame_start = now
+            return True
+        if now - self.frame_start < self.frame_s:
+            return False
+        rate = self.frame_reward / max(now - self.frame_start, 1e-9)
+        a = self.arm
+        self.arm_pulls[a] += 1
+        self.arm_value[a] += (rate - self.arm_value[a]) / min(self.arm_pulls[a], 20)
+        if self.rng.random() < self.explore:
+            self.arm = self.rng.randrange(len(self.cutoffs))
+        else:
+            self.arm = max(range(len(self.cutoffs)), key=lambda i: (self.arm_value[i], -abs(i - a)))
+        self.frame_start, self.frame_reward = now, 0.0
+        return True
+
+    # -- estimates ------------------------------------------------------------------------
+    def estimate(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Return (priority, goodput, t_gen, expired) arrays for `reqs`."""
+        live = [p for p in replicas if p.healthy] or list(replicas)
+        model = live[0].model
+        v = float(np.mean([p.token_time() for p in live]))
+        n = len(reqs)
+        a = np.fromiter(
+            (
+                x
+                for r in reqs
+                for x in (
+                    r.arrival,
+                    r.context_tokens,
+                    r.remaining_bound,
+                    _LAT if r.slo.kind is SLOClass.LATENCY else _DL,
+                    r.slo.ttft_s or 0.0,
+                    r.slo.tbt_s or 0.0,
+                    r.deadline_at if r.slo.kind is not SLOClass.LATENCY else 0.0,
+                    r.workflow.deadline_at if r.workflow is not None else 0.0,
+                    r.tier.weight,
+                    r.workflow.tokens_done if r.workflow is not None else 0.0,
+                    r.generated,
+                )
+            ),
+            dtype=np.float64,
+            count=n * 11,
+        ).reshape(n, 11)
+        arrival, ctx, L, kind, ttft, tbt, dl, wf_dl, w, wf_tokens, gen = a.T
+        c = model.coeffs
+        pf = model.beta * (c.a_p * ctx * ctx + c.c_p * ctx) + model.t_c
+        t_gen = pf + L * v
+        is_lat = kind == _LAT
+        # Latency: tokens i ≥ i0 can still meet arrival + TTFT + i·TBT when decoding at v.
+        late = now + pf - (arrival + ttft + gen * tbt)
+        slack_rate = np.maximum(tbt - v, 1e-9)
+        i0 = np.where(late <= 0, 0.0, np.where(tbt > v, np.ceil(late / slack_rate), L))
+        lat_good = np.maximum(L - i0, 0.0)
+        # Deadline-type: all-or-nothing on the (sub-)deadline; a compound call that misses
+        # its stage sub-deadline but still fits the workflow deadline keeps half its value.
+        fits = now + t_gen <= dl
+        fits_wf = (wf_dl > 0) & (now + t_gen <= wf_dl)
+        dl_value = ctx + L + wf_tokens
+        dl_good = dl_value * np.where(fits, 1.0, np.where(fits_wf, 0.5, 0.0))
+        goodput = w * np.where(is_lat, lat_good, dl_good)
+        frames = np.maximum(now - arrival, 0.0) / self.frame_s
+        priority = (goodput + self.delta * frames) / np.maximum(t_gen, 1e-6)
+        # Expired: nothing can be earned any more.
+        hard_dl = np.where(wf_dl > 0, wf_dl, dl)
+        expired = np.where(is_lat, lat_good <= 0, now + pf >= hard_dl)
+        if self.fairness > 0 and n:
+            share = np.fromiter((self.served.get(r.tenant, 0.0) for r in reqs), dtype=np.float64, count=n)
+            top = share.max()
+            fair = 1.0 - share / top if top > 0 else np.ones(n)
+            pmax = priority.max()
+            priority = (1 - self.fairness) * (priority / pmax if pmax > 0 else priority) + self.fairness * fair
+        return priority, goodput, t_gen, expired
+
+    # -- decision ---------------------------------------------------------------------------
+    def select(self, now: float, waiting: Sequence[Request], slots: int, replicas: Sequence[ReplicaView]) -> Selection:
+        frame_edge = self._new_frame(now)
+        sel = Selection()
+        if not waiting:
+            return sel
+        waiting = list(waiting)
+        prio, good, t_gen, expired = self.estimate(now, waiting, replicas)
+        too_long = np.fromiter(
+            (r.slo.waiting_s is not None and r.dispatched_at is None and now - r.arrival > r.slo.waiting_s for r in waiting),
+            dtype=bool,
+            count=len(waiting),
+        )
+        sel.shed = [(waiting[i], "slo_unattainable") for i in np.flatnonzero(expired)]
+        sel.shed += [(waiting[i], "waiting_time_exceeded") for i in np.flatnonzero(too_long & ~expired)]
+        alive = np.flatnonzero(~expired & ~too_long)
+        if alive.size and slots > 0:
+            sel.dispatch = [waiting[i] for i in self._group(alive, prio, waiting, slots)]
+        if self.preempt and frame_edge and alive.size:
+            chosen = {r.rid for r in sel.dispatch}
+            rest = [i for i in alive[np.argsort(-prio[alive])] if waiting[i].rid not in chosen]
+            sel.preempt = self._preemptions(now, rest, prio, good, waiting, replicas)
+        return sel
+
+    def _group(self, alive: np.ndarray, prio: np.ndarray, waiting: list[Request], B: int) -> list[int]:
+        """Alg. 1 lines 16–26: cutoff filter, then the best input-length window of size B."""
+        if alive.size <= B:
+            return list(alive[np.argsort(-prio[alive])])
+        p_alive = prio[alive]
+        bp = np.partition(p_alive, -B)[-B]  # B-th highest priority
+        cand = alive[p_alive >= self.cutoff * bp]
+        if cand.size <= B:
+            top = alive[np.argsort(-p_alive)[:B]]
+            return list(top)
+        lengths = np.fromiter((waiting[i].context_tokens for i in cand), dtype=np.float64, count=cand.size)
+        cand = cand[np.argsort(lengths, kind="stable")]
+        csum = np.concatenate(([0.0], np.cumsum(prio[cand])))
+        window = csum[B:] - csum[:-B]
+        start = int(np.argmax(window))
+        group = cand[start : start + B]
+        return list(group[np.argsort(-prio[group])])
+
+    def _preemptions(
+        self, now: float, rest: list[int], prio: np.ndarray, good: np.ndarray, waiting: list[Request], replicas: Sequence[ReplicaView]
+    ) -> list[Request]:
+        """Cost-aware preemption: swap a running request for a waiting one only when worth it."""
+        out: list[Request] = []
+        if not rest:
+            return out
+        for p in replicas:
+            if len(out) >= self.max_preempt_per_frame or not rest:
+                break
+            if p.free > 0 or not p.decoding:
+                continue
+            running = list(p.decoding.values())
+            r_prio, r_good, _, _ = self.estimate(now, running, [p])
+            j = int(np.argmin(r_prio))
+            w = rest[0]
+            if prio[w] <= r_prio[j] * (1 + self.preempt_threshold):
+                continue
+            victim = running[j]
+            # goodput_loss = stall_duration × token_generation_speed on that replica
+            stall = p.model.prefill_time(victim.context_tokens) + p.model.t_c
+            speed = max(p.n_decode, 1) / p.token_time(0)
+            loss = stall * speed
+            if good[w] - r_good[j] > loss:
+                out.append(victim)
+                rest.pop(0)
+        return out

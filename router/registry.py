@@ -1,0 +1,43 @@
+"""Policies by name, so config files and the CLI pick them with a string like `gmax+gorouting`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from router.placement import GoRouting, GoRoutingPD, LeastLoad, PlacementPolicy, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
+from router.policies import EDF, FCFS, GMAX, LTR, PLAS, SJF, OrderingPolicy, SimulatedAnnealing, SlideBatching, StrictPriority, WeightedVTC
+
+ORDERING: dict[str, Callable[..., OrderingPolicy]] = {
+    cls.name: cls for cls in (GMAX, FCFS, EDF, SJF, LTR, PLAS, SlideBatching, StrictPriority, WeightedVTC, SimulatedAnnealing)
+}
+PLACEMENT: dict[str, Callable[..., PlacementPolicy]] = {
+    cls.name: cls for cls in (GoRouting, GoRoutingPD, PowerOfK, LeastLoad, RoundRobin, RandomPlacement, PowerOfTwo)
+}
+_SEEDED = {"gmax", "sa"}
+
+
+def make_ordering(name: str, seed: int = 0, **params: Any) -> OrderingPolicy:
+    if name not in ORDERING:
+        raise ValueError(f"unknown ordering policy {name!r}; known: {', '.join(sorted(ORDERING))}")
+    if name in _SEEDED:
+        params.setdefault("seed", seed)
+    return ORDERING[name](**params)
+
+
+def make_placement(name: str, seed: int = 0, **params: Any) -> PlacementPolicy:
+    if name not in PLACEMENT:
+        raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(sorted(PLACEMENT))}")
+    return PLACEMENT[name](seed=seed, **params)
+
+
+def parse_combo(combo: str) -> tuple[str, str]:
+    """'gmax+gorouting' -> ('gmax', 'gorouting'), validating both names."""
+    if combo.count("+") != 1:
+        raise ValueError(f"policy combination must be ORDERING+PLACEMENT, got {combo!r}")
+    o, p = combo.split("+")
+    if o not in ORDERING:
+        raise ValueError(f"unknown ordering policy {o!r}; known: {', '.join(sorted(ORDERING))}")
+    if p not in PLACEMENT:
+        raise ValueError(f"unknown placement policy {p!r}; known: {', '.join(sorted(PLACEMENT))}")
+    return o, p

@@ -1,0 +1,149 @@
+"""Request, SLO and tier model shared by the live gateway and the simulator.
+
+Times are plain floats in seconds on whatever clock the driver uses (wall clock in the
+gateway, simulated time in `sim/`); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class SLOClass(StrEnum):
+    LATENCY = "latency"  # streaming pace: TTFT + time between tokens
+    DEADLINE = "deadline"  # whole answer by an end-to-end deadline
+    COMPOUND = "compound"  # one call of a multi-call workflow with a workflow deadline
+    BEST_EFFORT = "best_effort"  # no SLO; gets a default deadline so it is never starved
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    name: str = "default"
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    """A request's service-level objective; durations are relative to arrival."""
+
+    kind: SLOClass
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+    deadline_s: float | None = None
+    waiting_s: float | None = None  # refuse if not dispatched within this long
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tbt_s", "deadline_s", "waiting_s"):
+            v = getattr(self, name)
+            if v is not None and (not math.isfinite(v) or v <= 0):
+                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        if self.kind is SLOClass.LATENCY and (self.ttft_s is None or self.tbt_s is None):
+            raise ValueError("a latency SLO needs ttft_s and tbt_s")
+        if self.kind is not SLOClass.LATENCY and self.deadline_s is None:
+            raise ValueError(f"a {self.kind} SLO needs deadline_s")
+
+    @classmethod
+    def latency(cls, ttft_s: float, tbt_s: float, waiting_s: float | None = None) -> SLO:
+        return cls(SLOClass.LATENCY, ttft_s=ttft_s, tbt_s=tbt_s, waiting_s=waiting_s)
+
+    @classmethod
+    def deadline(cls, deadline_s: float, waiting_s: float | None = None) -> SLO:
+        return cls(SLOClass.DEADLINE, deadline_s=deadline_s, waiting_s=waiting_s)
+
+    @classmethod
+    def compound(cls, deadline_s: float) -> SLO:
+        """`deadline_s` is this call's stage sub-deadline, relative to the call's arrival."""
+        return cls(SLOClass.COMPOUND, deadline_s=deadline_s)
+
+    @classmethod
+    def best_effort(cls, default_deadline_s: float = 600.0) -> SLO:
+        return cls(SLOClass.BEST_EFFORT, deadline_s=default_deadline_s)
+
+
+@dataclass(slots=True)
+class Workflow:
+    """Shared state of one compound request (an agent workflow) across its calls."""
+
+    workflow_id: str
+    started_at: float
+    deadline_at: float  # absolute deadline of the whole workflow
+    tokens_done: int = 0  # input+output tokens of calls finished so far
+    calls_done: int = 0
+    failed: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One LLM call as the decision core sees it.
+
+    The true output length is deliberately absent: policies see only the predictor's
+    estimates (`len_bound`, `len_mean`), exactly as in production.
+    """
+
+    rid: int
+    arrival: float
+    input_tokens: int
+    slo: SLO
+    tier: Tier = field(default_factory=Tier)
+    tenant: str = "default"
+    max_tokens: int | None = None
+    workflow: Workflow | None = None
+    stage: int = 0
+    # Estimates written by predictors: upper bound on *remaining* output tokens, and a
+    # point estimate of the *total* output length (for SJF-style baselines).
+    len_bound: float = 256.0
+    len_mean: float = 128.0
+    # Progress, written by the driver.
+    generated: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    dispatched_at: float | None = None
+    finished_at: float | None = None
+    replica: int | None = None
+    preemptions: int = 0
+    shed_reason: str | None = None
+
+    @property
+    def kind(self) -> SLOClass:
+        return self.slo.kind
+
+    @property
+    def ttft_deadline(self) -> float:
+        """Absolute time the first token is due (for deadline classes: a derived budget)."""
+        if self.slo.kind is SLOClass.LATENCY:
+            return self.arrival + self.slo.ttft_s  # type: ignore[operator]
+        return self.deadline_at
+
+    @property
+    def deadline_at(self) -> float:
+        """Absolute time by which the whole answer is due.
+
+        Latency requests have no end-to-end deadline; their last-token deadline depends
+        on the (unknown) length, so we return the deadline of the bound's last token.
+        """
+        s = self.slo
+        if s.kind is SLOClass.LATENCY:
+            return self.arrival + s.ttft_s + max(self.generated + self.len_bound - 1, 0) * s.tbt_s  # type: ignore[operator]
+        return self.arrival + s.deadline_s  # type: ignore[operator]
+
+    def token_deadline(self, i: int) -> float:
+        """Deadline of output token i (0-based) under the JITServe token timeline."""
+        s = self.slo
+        if s.kind is SLOClass.LATENCY:
+            return self.arrival + s.ttft_s + i * s.tbt_s  # type: ignore[operator]
+        return self.deadline_at
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens whose KV a replica must hold (and recompute after a preemption)."""
+        return self.input_tokens + self.generated
+
+    @property
+    def remaining_bound(self) -> float:
+        """Upper bound on tokens still to generate, capped by max_tokens."""
+        b = max(self.len_bound, 1.0)
+        if self.max_tokens is not None:
+            b = min(b, max(self.max_tokens - self.generated, 0))
+        return b

@@ -1,0 +1,49 @@
+"""Composes an ordering policy with a placement policy into dispatch / shed / preempt decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.placement.base import PlacementPolicy
+from router.policies.base import OrderingPolicy
+from router.registry import make_ordering, make_placement, parse_combo
+from router.request import Request
+from router.view import ReplicaView
+
+
+@dataclass(slots=True)
+class Decisions:
+    dispatch: list[tuple[Request, int]] = field(default_factory=list)  # (request, replica id)
+    shed: list[tuple[Request, str]] = field(default_factory=list)
+    preempt: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Pure: `schedule` reads the views, claims slots on them for what it dispatches, and
+    returns the decisions; the driver carries them out."""
+
+    def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy) -> None:
+        self.ordering = ordering
+        self.placement = placement
+
+    @classmethod
+    def from_combo(cls, combo: str, seed: int = 0) -> Scheduler:
+        o, p = parse_combo(combo)
+        return cls(make_ordering(o, seed=seed), make_placement(p, seed=seed))
+
+    @property
+    def name(self) -> str:
+        return f"{self.ordering.name}+{self.placement.name}"
+
+    def schedule(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> Decisions:
+        slots = sum(p.free for p in replicas if p.role != "decode")
+        sel = self.ordering.select(now, waiting, slots, replicas)
+        out = Decisions(shed=sel.shed, preempt=sel.preempt)
+        for req in sel.dispatch:
+            target = self.placement.place(now, req, replicas)
+            if target is None:
+                continue
+            target.claim(req, now)
+            out.dispatch.append((req, target.rid))
+        return out

@@ -1,0 +1,79 @@
+"""What the decision core knows about each replica: the gateway's own bookkeeping.
+
+PROSERVE's PrefillQueueMap (dispatched requests still waiting for their first token, with
+the timestamp of the last update for lag compensation) and decode counter n_d, plus the
+concurrency budget. Drivers mutate it through `claim` / `first_token` / `release`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.latency import BatchLatencyModel
+from router.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class ReplicaView:
+    rid: int
+    model: BatchLatencyModel
+    budget: int = 64  # max requests the gateway keeps in flight on this replica
+    role: str = "both"  # "both" (co-located), "prefill" or "decode" (P/D disaggregated)
+    healthy: bool = True
+    prefill_queue: dict[int, Request] = field(default_factory=dict)
+    decoding: dict[int, Request] = field(default_factory=dict)
+    decode_kv: int = 0  # KV tokens held by decoding requests (approx., from counts)
+    ts_prefill: float = 0.0  # last update of prefill_queue (lag compensation)
+    free_kv_blocks: int | None = None  # scraped from the engine where available
+
+    @property
+    def inflight(self) -> int:
+        return len(self.prefill_queue) + len(self.decoding)
+
+    @property
+    def n_decode(self) -> int:
+        return len(self.decoding)
+
+    @property
+    def free(self) -> int:
+        return max(self.budget - self.inflight, 0) if self.healthy else 0
+
+    def claim(self, req: Request, now: float) -> None:
+        req.replica = self.rid
+        req.dispatched_at = now
+        self.prefill_queue[req.rid] = req
+        self.ts_prefill = now
+
+    def first_token(self, req: Request, now: float) -> None:
+        if self.prefill_queue.pop(req.rid, None) is not None:
+            self.ts_prefill = now
+        self.decoding[req.rid] = req
+        self.decode_kv += req.context_tokens
+
+    def token(self, n: int = 1) -> None:
+        self.decode_kv += n
+
+    def release(self, req: Request, now: float) -> None:
+        if self.prefill_queue.pop(req.rid, None) is not None:
+            self.ts_prefill = now
+        if self.decoding.pop(req.rid, None) is not None:
+            self.decode_kv = max(self.decode_kv - req.context_tokens, 0)
+
+    # -- estimates --------------------------------------------------------------------
+    def token_time(self, extra_seqs: int = 1, extra_kv: int = 0) -> float:
+        """Estimated time per output token if `extra_seqs` more sequences joined."""
+        n = self.n_decode + len(self.prefill_queue) + extra_seqs
+        kv = self.decode_kv + sum(r.context_tokens for r in self.prefill_queue.values()) + extra_kv
+        return self.model.decode_step_time(n, kv)
+
+    def prefill_backlog(self, now: float) -> float:
+        """Seconds of prefill work queued here, lag-compensated (PROSERVE §4.3)."""
+        work = sum(self.model.prefill_time(r.context_tokens) for r in self.prefill_queue.values())
+        return max(work - (now - self.ts_prefill), 0.0) if work else 0.0
+
+    def estimate_exec(self, now: float, extra: Request | None = None) -> float:
+        """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
+        t = self.prefill_backlog(now) + self.n_decode * self.model.b_d
+        if extra is not None:
+            t += self.model.prefill_time(extra.context_tokens) + self.model.t_c
+        return t

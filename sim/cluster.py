@@ -1,0 +1,322 @@
+"""Discrete-event simulation of N engine replicas behind one slogate gateway queue.
+
+The gateway side is exactly the live decision core: `router.Scheduler` is called on
+arrivals and completions (when a slot is free) and on every frame tick Δ, and its
+decisions are carried out here — dispatch to an engine, shed (a 429 in the live gateway),
+or preempt (abort upstream and requeue; generated tokens are kept and re-prefilled).
+The gateway only sees what a real gateway sees: token arrival times per request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from dataclasses import dataclass, field
+
+from predictors.length import LengthEstimator
+from router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
+from router.latency import BatchLatencyModel, LatencyCoeffs
+from router.request import SLO, Request, SLOClass, Tier, Workflow
+from router.scheduler import Scheduler
+from router.view import ReplicaView
+from sim.engine import EngineSim, Seq
+from sim.workload import Call, Job, Workload, WorkflowSpec
+
+ARRIVE, STEP, TICK = 0, 1, 2
+
+
+@dataclass
+class EngineConfig:
+    coeffs: LatencyCoeffs
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 512
+    kv_capacity_tokens: int = 400_000
+    budget: int = 48  # gateway's per-replica concurrency budget
+    speed_factors: list[float] | None = None  # per-replica slowdown (heterogeneous fleet)
+
+
+@dataclass
+class _WfRun:
+    spec: WorkflowSpec
+    wf: Workflow
+    ledger: WorkflowLedger
+    tier: Tier
+    phi: dict[int, float]
+    done: set[int] = field(default_factory=set)
+    issued: set[int] = field(default_factory=set)
+    finish_at: dict[int, float] = field(default_factory=dict)
+    ideal_tdg: float = 0.0
+
+
+@dataclass
+class SimResult:
+    name: str
+    account: GoodputAccount
+    span_s: float
+    ttft: array
+    tbt: array
+    e2e: array
+    tokens_processed: int
+    shed: int
+    preempted: int
+    engine_preemptions: int
+    decisions: int
+    horizon_hit: bool
+
+
+class ClusterSim:
+    def __init__(
+        self,
+        workload: Workload,
+        scheduler: Scheduler,
+        estimator: LengthEstimator,
+        engine: EngineConfig,
+        n_replicas: int = 8,
+        frame_s: float = 0.3,
+        stage_estimate: str = "uniform",
+        drain_s: float = 600.0,
+    ) -> None:
+        self.wl = workload
+        self.sched = scheduler
+        self.est = estimator
+        self.frame_s = frame_s
+        self.stage_estimate = stage_estimate
+        self.horizon = workload.span_s + drain_s
+        factors = engine.speed_factors or [1.0] * n_replicas
+        self.engines = [
+            EngineSim(i, BatchLatencyModel(engine.coeffs.scaled(factors[i % len(factors)])), engine.max_num_seqs, engine.max_batched_tokens, engine.kv_capacity_tokens)
+            for i in range(n_replicas)
+        ]
+        # The gateway's estimator starts from the nominal profile and learns β online.
+        self.views = [ReplicaView(i, BatchLatencyModel(engine.coeffs), budget=engine.budget) for i in range(n_replicas)]
+        self.account = GoodputAccount()
+        self.waiting: dict[int, Request] = {}
+        self.seqs: dict[int, Seq] = {}
+        self.ledgers: dict[int, RequestLedger] = {}
+        self.true_len: dict[int, int] = {}
+        self.wf_of: dict[int, tuple[_WfRun, Call]] = {}
+        self.runs: list[_WfRun] = []
+        self.events: list[tuple[float, int, int, object]] = []
+        self._seq = itertools.count()
+        self._rid = itertools.count()
+        self.ttft, self.tbt, self.e2e = array("d"), array("d"), array("d")
+        self.tokens_processed = 0
+        self.shed = 0
+        self.preempted = 0
+        self.decisions = 0
+        self.now = 0.0
+
+    # -- event plumbing ------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.events, (t, next(self._seq), kind, payload))
+
+    def run(self) -> SimResult:
+        for job in self.wl.jobs:
+            self._push(job.arrival, ARRIVE, job)
+        self._push(0.0, TICK, None)
+        horizon_hit = False
+        while self.events:
+            t, _, kind, payload = heapq.heappop(self.events)
+            if t > self.horizon:
+                horizon_hit = True
+                break
+            self.now = t
+            if kind == STEP:
+                self._on_step(payload)  # type: ignore[arg-type]
+            elif kind == ARRIVE:
+                self._on_arrival(payload)  # type: ignore[arg-type]
+            else:
+                self._schedule()
+                if self.waiting or any(e.busy for e in self.engines) or self.events:
+                    self._push(t + self.frame_s, TICK, None)
+        self._settle_leftovers()
+        return SimResult(
+            name=self.sched.name,
+            account=self.account,
+            span_s=max(self.wl.span_s, 1e-9),
+            ttft=self.ttft,
+            tbt=self.tbt,
+            e2e=self.e2e,
+            tokens_processed=self.tokens_processed,
+            shed=self.shed,
+            preempted=self.preempted,
+            engine_preemptions=sum(e.preemptions for e in self.engines),
+            decisions=self.decisions,
+            horizon_hit=horizon_hit,
+        )
+
+    # -- arrivals --------------------------------------------------------------------------------
+    def _on_arrival(self, item: Job | tuple[_WfRun, Call]) -> None:
+        if isinstance(item, Job):
+            if item.workflow is not None:
+                self._start_workflow(item)
+                return
+            assert item.slo is not None
+            req = Request(next(self._rid), self.now, item.input_tokens, item.slo, tier=item.tier, tenant=item.tier.name)
+            self._admit(req, item.output_tokens)
+        else:
+            run, call = item
+            if run.wf.failed:
+                return
+            self._issue_call(run, call)
+        if any(v.free for v in self.views):
+            self._schedule()
+
+    def _admit(self, req: Request, true_len: int) -> None:
+        self.true_len[req.rid] = true_len
+        self.est.annotate(req, true_len)
+        self.ledgers[req.rid] = RequestLedger(req)
+        self.waiting[req.rid] = req
+
+    def _start_workflow(self, job: Job) -> None:
+        spec = job.workflow
+        assert spec is not None
+        wf = Workflow(f"{spec.workflow_id}#{next(self._seq)}", self.now, self.now + job.wf_deadline_s)
+        if self.stage_estimate == "oracle":
+            phi = spec.stage_shares()
+        else:  # uniform split over the typical number of stages seen in history
+            n = max(self.wl.median_stages, 1.0)
+            phi = {s: min((k + 1) / n, 1.0) for k, s in enumerate(sorted({c.stage for c in spec.calls}))}
+        run = _WfRun(spec, wf, WorkflowLedger(wf, job.tier.weight), job.tier, phi)
+        run.ideal_tdg = job.tier.weight * sum(c.output_tokens for c in spec.calls)
+        self.runs.append(run)
+        for c in spec.calls:
+            if not c.parents:
+                self._push(self.now + c.gap_s, ARRIVE, (run, c))
+                run.issued.add(c.call_id)
+
+    def _issue_call(self, run: _WfRun, call: Call) -> None:
+        sub_deadline = run.wf.started_at + run.phi.get(call.stage, 1.0) * (run.wf.deadline_at - run.wf.started_at)
+        slo = SLO.compound(max(sub_deadline - self.now, 0.05))
+        req = Request(next(self._rid), self.now, call.input_tokens, slo, tier=run.tier, tenant=run.tier.name, workflow=run.wf, stage=call.stage)
+        self.wf_of[req.rid] = (run, call)
+        self._admit(req, call.output_tokens)
+
+    # -- scheduling ----------------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        self.decisions += 1
+        d = self.sched.schedule(self.now, list(self.waiting.values()), self.views)
+        for req, reason in d.shed:
+            self._shed(req, reason)
+        for req in d.preempt:
+            self._preempt(req)
+        for req, rid in d.dispatch:
+            del self.waiting[req.rid]
+            seq = self.seqs.get(req.rid) or Seq(req, self.true_len[req.rid])
+            seq.active = True
+            self.seqs[req.rid] = seq
+            eng = self.engines[rid]
+            eng.add(seq)
+            self.sched.ordering.on_service(req, req.context_tokens, self.now)
+            if not eng.busy:
+                self._start(eng)
+
+    def _start(self, eng: EngineSim) -> None:
+        dt = eng.start_step(self.now)
+        if dt is not None:
+            self._push(self.now + dt, STEP, (eng, dt))
+
+    def _shed(self, req: Request, reason: str) -> None:
+        self.waiting.pop(req.rid, None)
+        req.shed_reason = reason
+        self.shed += 1
+        led = self.ledgers.pop(req.rid)
+        self.account.settle_request(led, ideal_tokens=self.true_len[req.rid])
+        if req.workflow is not None:
+            run, _ = self.wf_of.pop(req.rid)
+            self._fail_workflow(run)
+
+    def _preempt(self, req: Request) -> None:
+        if req.replica is None:
+            return
+        self.engines[req.replica].abort(req.rid)
+        self.views[req.replica].release(req, self.now)
+        req.replica = None
+        req.dispatched_at = None
+        req.preemptions += 1
+        self.preempted += 1
+        self.waiting[req.rid] = req
+
+    # -- engine steps -------------------------------------------------------------------------------
+    def _on_step(self, payload: tuple[EngineSim, float]) -> None:
+        eng, dt = payload
+        view = self.views[eng.rid]
+        n_dec, kv = view.n_decode, view.decode_kv
+        emitted = eng.finish_step()
+        now = self.now
+        freed = False
+        on_service = self.sched.ordering.on_service
+        for s in emitted:
+            req = s.req
+            led = self.ledgers[req.rid]
+            led.on_token(now)
+            if req.generated == 0:
+                self.ttft.append(now - req.arrival)
+                view.first_token(req, now)
+            else:
+                self.tbt.append(now - req.last_token_at)  # type: ignore[operator]
+                view.token(1)
+            req.generated += 1
+            req.last_token_at = now
+            if req.first_token_at is None:
+                req.first_token_at = now
+            on_service(req, 1, now)
+            true_len = s.true_len
+            if req.generated >= true_len:
+                eng.remove(s)
+                self._finish(req, led, view)
+                freed = True
+            else:
+                req.len_bound = max(req.len_bound - 1, 1.0)
+                if req.generated % self.est.refine_every == 0:
+                    self.est.refine(req, true_len)
+        if n_dec:
+            view.model.observe(dt, view.model.raw_batch_time([], [kv // n_dec] * n_dec))
+        self._start(eng)
+        if freed and self.waiting:
+            self._schedule()
+
+    def _finish(self, req: Request, led: RequestLedger, view: ReplicaView) -> None:
+        now = self.now
+        req.finished_at = now
+        view.release(req, now)
+        self.e2e.append(now - req.arrival)
+        self.tokens_processed += req.input_tokens + req.generated
+        self.seqs.pop(req.rid, None)
+        del self.ledgers[req.rid]
+        if req.workflow is None:
+            self.account.settle_request(led)
+            self.sched.ordering.on_finish(req, now, led.token_goodput())
+            return
+        run, call = self.wf_of.pop(req.rid)
+        run.ledger.on_call_done(req.input_tokens, req.generated, now)
+        run.wf.tokens_done += req.input_tokens + req.generated
+        run.wf.calls_done += 1
+        run.done.add(call.call_id)
+        run.finish_at[call.call_id] = now
+        self.sched.ordering.on_finish(req, now, float(req.input_tokens + req.generated) if now <= run.wf.deadline_at else 0.0)
+        if len(run.done) == len(run.spec.calls):
+            run.ledger.complete = True
+            self.account.settle_workflow(run.ledger, run.tier.name, run.ideal_tdg)
+            return
+        for c in run.spec.calls:
+            if c.call_id not in run.issued and all(p in run.done for p in c.parents):
+                run.issued.add(c.call_id)
+                ready = max((run.finish_at[p] for p in c.parents), default=now)
+                self._push(max(ready + c.gap_s, now), ARRIVE, (run, c))
+
+    def _fail_workflow(self, run: _WfRun) -> None:
+        if run.wf.failed:
+            return
+        run.wf.failed = True
+        self.account.settle_workflow(run.ledger, run.tier.name, run.ideal_tdg)
+
+    def _settle_leftovers(self) -> None:
+        """Requests and workflows still unfinished at the horizon count as missed."""
+        for rid, led in list(self.ledgers.items()):
+            if rid not in self.wf_of:
+                self.account.settle_request(led, ideal_tokens=self.true_len[rid])
+        for run in self.runs:
+            if not run.ledger.complete:
+                self._fail_workflow(run)
