@@ -26,6 +26,7 @@ def result_row(res: SimResult) -> dict[str, Any]:
         "soft_gain": tot.soft / res.span_s,
         "slo_attainment": att,
         "units": {k: b.units for k, b in sorted(acc.by_class.items())},
+        "token_goodput_by_class": {k: b.token_goodput / res.span_s for k, b in sorted(acc.by_class.items())},
         "ttft_p50": _pct(res.ttft, 50),
         "ttft_p95": _pct(res.ttft, 95),
         "tbt_p95": _pct(res.tbt, 95),

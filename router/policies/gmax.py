@@ -27,7 +27,10 @@ from router.policies.base import OrderingPolicy, Selection
 from router.request import Request, SLOClass
 from router.view import ReplicaView
 
-_LAT, _DL = 0, 1
+_LAT, _DL, _BE = 0, 1, 2
+
+
+_KIND = {SLOClass.LATENCY: _LAT, SLOClass.DEADLINE: _DL, SLOClass.COMPOUND: _DL, SLOClass.BEST_EFFORT: _BE}
 
 
 class GMAX(OrderingPolicy):
@@ -43,6 +46,8 @@ class GMAX(OrderingPolicy):
         preempt: bool = True,
         preempt_threshold: float = 0.1,
         max_preempt_per_frame: int = 2,
+        jit: bool = True,
+        urgency_s: float = 2.0,
         seed: int = 0,
     ) -> None:
         self.frame_s = frame_s
@@ -53,6 +58,8 @@ class GMAX(OrderingPolicy):
         self.preempt = preempt
         self.preempt_threshold = preempt_threshold
         self.max_preempt_per_frame = max_preempt_per_frame
+        self.jit = jit
+        self.urgency_s = urgency_s
         self.rng = random.Random(seed)
         self.arm_value = [0.0] * len(self.cutoffs)
         self.arm_pulls = [0] * len(self.cutoffs)
@@ -92,8 +99,13 @@ class GMAX(OrderingPolicy):
         return True
 
     # -- estimates ------------------------------------------------------------------------
-    def estimate(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Return (priority, goodput, t_gen, expired) arrays for `reqs`."""
+    def estimate(
+        self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Return (priority, goodput, t_gen, expired, slack) arrays for `reqs`.
+
+        slack: how long the request can still wait before its SLO needs it started —
+        to its TTFT for latency requests, to deadline − t_gen otherwise (−inf if infeasible)."""
         live = [p for p in replicas if p.healthy] or list(replicas)
         model = live[0].model
         v = float(np.mean([p.token_time() for p in live]))
@@ -106,7 +118,7 @@ class GMAX(OrderingPolicy):
                     r.arrival,
                     r.context_tokens,
                     r.remaining_bound,
-                    _LAT if r.slo.kind is SLOClass.LATENCY else _DL,
+                    _KIND[r.slo.kind],
                     r.slo.ttft_s or 0.0,
                     r.slo.tbt_s or 0.0,
                     r.deadline_at if r.slo.kind is not SLOClass.LATENCY else 0.0,
@@ -131,7 +143,10 @@ class GMAX(OrderingPolicy):
         lat_good = np.maximum(L - i0, 0.0)
         # Deadline-type: all-or-nothing on the (sub-)deadline; a compound call that misses
         # its stage sub-deadline but still fits the workflow deadline keeps half its value.
-        fits = now + t_gen <= dl
+        # Best effort is never worthless: it keeps its value past its default deadline and
+        # becomes urgent (slack ≤ 0) as that deadline nears, so it cannot starve.
+        is_be = kind == _BE
+        fits = (now + t_gen <= dl) | is_be
         fits_wf = (wf_dl > 0) & (now + t_gen <= wf_dl)
         dl_value = ctx + L + wf_tokens
         dl_good = dl_value * np.where(fits, 1.0, np.where(fits_wf, 0.5, 0.0))
@@ -140,14 +155,16 @@ class GMAX(OrderingPolicy):
         priority = (goodput + self.delta * frames) / np.maximum(t_gen, 1e-6)
         # Expired: nothing can be earned any more.
         hard_dl = np.where(wf_dl > 0, wf_dl, dl)
-        expired = np.where(is_lat, lat_good <= 0, now + pf >= hard_dl)
+        expired = np.where(is_lat, lat_good <= 0, (now + pf >= hard_dl) & ~is_be)
         if self.fairness > 0 and n:
             share = np.fromiter((self.served.get(r.tenant, 0.0) for r in reqs), dtype=np.float64, count=n)
             top = share.max()
             fair = 1.0 - share / top if top > 0 else np.ones(n)
             pmax = priority.max()
             priority = (1 - self.fairness) * (priority / pmax if pmax > 0 else priority) + self.fairness * fair
-        return priority, goodput, t_gen, expired
+        slack = np.where(is_lat, arrival + ttft - now - pf, np.where(fits, dl - now - t_gen, -np.inf))
+        slack = np.where(goodput > 0, slack, np.inf)  # nothing to protect: never urgent
+        return priority, goodput, t_gen, expired, slack
 
     # -- decision ---------------------------------------------------------------------------
     def select(self, now: float, waiting: Sequence[Request], slots: int, replicas: Sequence[ReplicaView]) -> Selection:
@@ -156,7 +173,7 @@ class GMAX(OrderingPolicy):
         if not waiting:
             return sel
         waiting = list(waiting)
-        prio, good, t_gen, expired = self.estimate(now, waiting, replicas)
+        prio, good, t_gen, expired, slack = self.estimate(now, waiting, replicas)
         too_long = np.fromiter(
             (r.slo.waiting_s is not None and r.dispatched_at is None and now - r.arrival > r.slo.waiting_s for r in waiting),
             dtype=bool,
@@ -166,7 +183,17 @@ class GMAX(OrderingPolicy):
         sel.shed += [(waiting[i], "waiting_time_exceeded") for i in np.flatnonzero(too_long & ~expired)]
         alive = np.flatnonzero(~expired & ~too_long)
         if alive.size and slots > 0:
-            sel.dispatch = [waiting[i] for i in self._group(alive, prio, waiting, slots)]
+            # Just in time: requests that must start within `urgency_s` to keep their SLO
+            # go first (grouped by GMAX); spare slots go to the rest by the same rule.
+            urgent = alive[slack[alive] <= self.urgency_s] if self.jit else alive[:0]
+            first = self._group(urgent, prio, waiting, slots) if urgent.size else []
+            picked = [waiting[i] for i in first]
+            if len(picked) < slots:
+                taken = set(first)
+                rest = np.array([i for i in alive if i not in taken], dtype=np.int64)
+                if rest.size:
+                    picked += [waiting[i] for i in self._group(rest, prio, waiting, slots - len(picked))]
+            sel.dispatch = picked
         if self.preempt and frame_edge and alive.size:
             chosen = {r.rid for r in sel.dispatch}
             rest = [i for i in alive[np.argsort(-prio[alive])] if waiting[i].rid not in chosen]
@@ -204,7 +231,7 @@ class GMAX(OrderingPolicy):
             if p.free > 0 or not p.decoding:
                 continue
             running = list(p.decoding.values())
-            r_prio, r_good, _, _ = self.estimate(now, running, [p])
+            r_prio, r_good, _, _, _ = self.estimate(now, running, [p])
             j = int(np.argmin(r_prio))
             w = rest[0]
             if prio[w] <= r_prio[j] * (1 + self.preempt_threshold):

@@ -1,0 +1,86 @@
+import pytest
+
+from router.placement import GoRouting, GoRoutingPD, LeastLoad, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
+from router.request import SLO
+from tests.helpers import req, view
+
+
+def _loaded(rid, inputs):
+    p = view(rid, budget=8)
+    for k, n in enumerate(inputs):
+        p.claim(req(100 * rid + k, inp=n, slo=SLO.latency(30.0, 0.1)), 0.0)
+    p.ts_prefill = 0.0
+    return p
+
+
+def test_proserve_over_balancing_example():
+    """PROSERVE §3.3 / Fig. 8: least-load sends the short R1 to the idler replica B and
+    leaves no replica able to take the long R2 in time; GoRouting puts R1 on the busier A,
+    which still meets R1's TTFT, and keeps B for R2."""
+    r1 = req(1, inp=1000, slo=SLO.latency(2.0, 0.1))
+    r2 = req(2, inp=14000, slo=SLO.latency(2.0, 0.1))
+
+    a, b = _loaded(0, [5000, 5000]), _loaded(1, [2500])
+    ll = LeastLoad()
+    assert ll.place(0.0, r1, [a, b]) is b
+
+    a, b = _loaded(0, [5000, 5000]), _loaded(1, [2500])
+    gr = GoRouting()
+    first = gr.place(0.0, r1, [a, b])
+    assert first is a
+    a.claim(r1, 0.0)
+    second = gr.place(0.0, r2, [a, b])
+    assert second is b
+    # R2 meets its first-token estimate on B, and would not have after least-load's choice
+    assert gr.estimate_gain(0.0, b, [*b.prefill_queue.values(), r2]) > gr.estimate_gain(0.0, b, list(b.prefill_queue.values()))
+    b2 = _loaded(1, [2500])
+    b2.claim(r1, 0.0)
+    assert gr.estimate_gain(0.0, b2, [*b2.prefill_queue.values(), r2]) <= gr.estimate_gain(0.0, b2, list(b2.prefill_queue.values()))
+
+
+def test_gorouting_prefers_the_most_idle_light_replica():
+    light, busy = view(0), _loaded(1, [5000])
+    assert GoRouting().place(0.0, req(1, inp=500, slo=SLO.latency(2.0, 0.1)), [busy, light]) is light
+
+
+def test_gorouting_falls_back_to_least_loaded_when_no_replica_can_meet_the_slo():
+    a, b = _loaded(0, [30000]), _loaded(1, [20000])
+    assert GoRouting().place(0.0, req(1, inp=500, slo=SLO.latency(0.5, 0.1)), [a, b]) is b
+
+
+def test_gorouting_pd_picks_prefill_by_gain_and_decode_by_free_blocks():
+    p1, p2 = view(0), view(1)
+    p1.role = p2.role = "prefill"
+    d1, d2 = view(2), view(3)
+    d1.role = d2.role = "decode"
+    d1.free_kv_blocks, d2.free_kv_blocks = 100, 900
+    pair = GoRoutingPD().place_pair(0.0, req(1, inp=500, slo=SLO.latency(2.0, 0.1)), [p1, p2, d1, d2])
+    assert pair is not None and pair[0].role == "prefill" and pair[1] is d2
+
+
+def test_pok_prefers_the_faster_replica():
+    fast, slow = view(0), view(1)
+    slow.model.beta = 3.0
+    assert PowerOfK().place(0.0, req(1, inp=1000, bound=200), [slow, fast]) is fast
+
+
+@pytest.mark.parametrize("cls", [LeastLoad, RoundRobin, RandomPlacement, PowerOfTwo, GoRouting, PowerOfK])
+def test_placement_never_exceeds_a_replica_budget(cls):
+    reps = [view(i, budget=2) for i in range(3)]
+    pol = cls()
+    placed = 0
+    for i in range(10):
+        p = pol.place(0.0, req(i, inp=100 + i), reps)
+        if p is None:
+            break
+        p.claim(req(1000 + i), 0.0)
+        placed += 1
+    assert placed == 6 and all(p.inflight == 2 for p in reps)
+
+
+def test_round_robin_cycles_and_least_load_balances():
+    reps = [view(i, budget=10) for i in range(3)]
+    rr = RoundRobin()
+    assert [rr.place(0.0, req(i), reps).rid for i in range(4)] == [0, 1, 2, 0]
+    reps[0].claim(req(50), 0.0)
+    assert LeastLoad().place(0.0, req(1), reps).rid in (1, 2)
