@@ -48,7 +48,7 @@ DEFAULT_PROFILE = "llama3.1-8b@a100-80g"
 class BatchLatencyModel:
     """Per-replica latency estimator; pure, so both drivers can feed it observations."""
 
-    __slots__ = ("coeffs", "beta", "theta", "_window", "_since_update", "update_every")
+    __slots__ = ("_since_update", "_window", "beta", "coeffs", "theta", "update_every")
 
     def __init__(self, coeffs: LatencyCoeffs, theta: float = 0.8, window: int = 32, update_every: int = 8) -> None:
         self.coeffs = coeffs
@@ -66,6 +66,10 @@ class BatchLatencyModel:
     def _prefill(self, l_q: float, l_kv: float) -> float:
         c = self.coeffs
         return c.a_p * l_q * l_q + c.b_p * l_q * l_kv + c.c_p * l_q
+
+    def raw_prefill(self, tokens: float, cached: float = 0.0) -> float:
+        """Uncorrected prefill compute time (for callers that apply β themselves)."""
+        return self._prefill(tokens, cached)
 
     def _decode(self, l_kv: float) -> float:
         c = self.coeffs

@@ -18,6 +18,9 @@ class SLOClass(StrEnum):
     BEST_EFFORT = "best_effort"  # no SLO; gets a default deadline so it is never starved
 
 
+_KIND_CODE = {SLOClass.LATENCY: 0.0, SLOClass.DEADLINE: 1.0, SLOClass.COMPOUND: 1.0, SLOClass.BEST_EFFORT: 2.0}
+
+
 @dataclass(frozen=True, slots=True)
 class Tier:
     name: str = "default"
@@ -104,6 +107,15 @@ class Request:
     replica: int | None = None
     preemptions: int = 0
     shed_reason: str | None = None
+    # Static SLO features for vectorised policies, computed once (the SLO never changes).
+    static: tuple[float, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        s = self.slo
+        wf_dl = self.workflow.deadline_at if self.workflow is not None else 0.0
+        dl = self.arrival + s.deadline_s if s.deadline_s is not None else 0.0
+        cap = float(self.max_tokens) if self.max_tokens is not None else math.inf
+        self.static = (_KIND_CODE[s.kind], s.ttft_s or 0.0, s.tbt_s or 0.0, dl, wf_dl, self.tier.weight, cap)
 
     @property
     def kind(self) -> SLOClass:

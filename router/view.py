@@ -24,6 +24,8 @@ class ReplicaView:
     decoding: dict[int, Request] = field(default_factory=dict)
     decode_kv: int = 0  # KV tokens held by decoding requests (approx., from counts)
     ts_prefill: float = 0.0  # last update of prefill_queue (lag compensation)
+    prefill_ctx: int = 0  # Σ context tokens in prefill_queue (kept incrementally: O(1) reads)
+    prefill_work_raw: float = 0.0  # Σ uncorrected prefill time of prefill_queue
     free_kv_blocks: int | None = None  # scraped from the engine where available
 
     @property
@@ -38,15 +40,31 @@ class ReplicaView:
     def free(self) -> int:
         return max(self.budget - self.inflight, 0) if self.healthy else 0
 
+    def _enqueue(self, req: Request) -> None:
+        self.prefill_queue[req.rid] = req
+        n = req.context_tokens
+        self.prefill_ctx += n
+        self.prefill_work_raw += self.model.raw_prefill(n)
+
+    def _dequeue(self, req: Request, now: float) -> bool:
+        if self.prefill_queue.pop(req.rid, None) is None:
+            return False
+        n = req.context_tokens
+        self.prefill_ctx = max(self.prefill_ctx - n, 0)
+        self.prefill_work_raw = max(self.prefill_work_raw - self.model.raw_prefill(n), 0.0) if self.prefill_queue else 0.0
+        if not self.prefill_queue:
+            self.prefill_ctx = 0
+        self.ts_prefill = now
+        return True
+
     def claim(self, req: Request, now: float) -> None:
         req.replica = self.rid
         req.dispatched_at = now
-        self.prefill_queue[req.rid] = req
+        self._enqueue(req)
         self.ts_prefill = now
 
     def first_token(self, req: Request, now: float) -> None:
-        if self.prefill_queue.pop(req.rid, None) is not None:
-            self.ts_prefill = now
+        self._dequeue(req, now)
         self.decoding[req.rid] = req
         self.decode_kv += req.context_tokens
 
@@ -54,8 +72,7 @@ class ReplicaView:
         self.decode_kv += n
 
     def release(self, req: Request, now: float) -> None:
-        if self.prefill_queue.pop(req.rid, None) is not None:
-            self.ts_prefill = now
+        self._dequeue(req, now)
         if self.decoding.pop(req.rid, None) is not None:
             self.decode_kv = max(self.decode_kv - req.context_tokens, 0)
 
@@ -63,12 +80,11 @@ class ReplicaView:
     def token_time(self, extra_seqs: int = 1, extra_kv: int = 0) -> float:
         """Estimated time per output token if `extra_seqs` more sequences joined."""
         n = self.n_decode + len(self.prefill_queue) + extra_seqs
-        kv = self.decode_kv + sum(r.context_tokens for r in self.prefill_queue.values()) + extra_kv
-        return self.model.decode_step_time(n, kv)
+        return self.model.decode_step_time(n, self.decode_kv + self.prefill_ctx + extra_kv)
 
     def prefill_backlog(self, now: float) -> float:
         """Seconds of prefill work queued here, lag-compensated (PROSERVE §4.3)."""
-        work = sum(self.model.prefill_time(r.context_tokens) for r in self.prefill_queue.values())
+        work = self.model.beta * self.prefill_work_raw
         return max(work - (now - self.ts_prefill), 0.0) if work else 0.0
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from predictors.length import LengthEstimator
 from router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from router.latency import BatchLatencyModel, LatencyCoeffs
-from router.request import SLO, Request, SLOClass, Tier, Workflow
+from router.request import SLO, Request, Tier, Workflow
 from router.scheduler import Scheduler
 from router.view import ReplicaView
 from sim.engine import EngineSim, Seq
-from sim.workload import Call, Job, Workload, WorkflowSpec
+from sim.workload import Call, Job, WorkflowSpec, Workload
 
 ARRIVE, STEP, TICK = 0, 1, 2
 

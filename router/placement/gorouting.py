@@ -40,28 +40,50 @@ class GoRouting(PlacementPolicy):
     def _value(self, r: Request) -> float:
         return r.tier.weight * (self.w_p + self.w_d * r.remaining_bound)
 
-    def estimate_gain(self, now: float, p: ReplicaView, queue: list[Request]) -> float:
-        """ESTIMATEGAIN with φ_a: the whole queue is assumed done after its total exec."""
+    def _done_in(self, now: float, p: ReplicaView, work: float, min_remain: float) -> float:
+        """φ_a: the whole prefill queue is assumed done after its total exec (eq. 8), with
+        t_budget = the smallest remaining time in the queue capped by a TPOT SLO (100 ms)
+        and floored at 2·t_c; lag-compensated, plus the decode load n_d·b_d."""
         m = p.model
+        t_budget = max(min(min_remain, 0.1), 2 * m.t_c)
+        phi_a = t_budget / (t_budget - m.t_c) * work
+        return max(phi_a - (now - p.ts_prefill), 0.0) + p.n_decode * m.b_d
+
+    def gains(self, now: float, p: ReplicaView, req: Request) -> tuple[float, float]:
+        """(pre_gain, post_gain): TDG value of queued requests whose first token fits, without
+        and with `req` — one pass over the queue for both."""
+        v = p.token_time(0)
+        queue = list(p.prefill_queue.values())
+        budgets = [first_token_budget(r, now, v) for r in queue]
+        values = [self._value(r) for r in queue]
+        work = p.model.beta * p.prefill_work_raw
+        new_budget = first_token_budget(req, now, v)
+        pre = 0.0
+        if queue:
+            done = self._done_in(now, p, work, min(budgets))
+            pre = sum(val for val, b in zip(values, budgets, strict=True) if done <= b)
+        done_post = self._done_in(now, p, work + p.model.prefill_time(req.context_tokens), min([*budgets, new_budget]))
+        post = sum(val for val, b in zip(values, budgets, strict=True) if done_post <= b)
+        post += self._value(req) if done_post <= new_budget else 0.0
+        return pre, post
+
+    def estimate_gain(self, now: float, p: ReplicaView, queue: list[Request]) -> float:
+        """ESTIMATEGAIN(Q) for an arbitrary queue on replica p (used by tests and tools)."""
         if not queue:
             return 0.0
         v = p.token_time(0)
-        total = sum(m.prefill_time(r.context_tokens) for r in queue)
-        # t_budget: the smallest remaining time among queued requests, capped by a TPOT
-        # SLO (100 ms), floored at 2·t_c so the φ_a scale stays finite.
-        min_remain = min(first_token_budget(r, now, v) for r in queue)
-        t_budget = max(min(min_remain, 0.1), 2 * m.t_c)
-        phi_a = t_budget / (t_budget - m.t_c) * total
-        done_in = max(phi_a - (now - p.ts_prefill), 0.0) + p.n_decode * m.b_d
-        return sum(self._value(r) for r in queue if done_in <= first_token_budget(r, now, v))
+        budgets = [first_token_budget(r, now, v) for r in queue]
+        work = sum(p.model.prefill_time(r.context_tokens) for r in queue)
+        done = self._done_in(now, p, work, min(budgets))
+        return sum(self._value(r) for r, b in zip(queue, budgets, strict=True) if done <= b)
 
     def _choose(self, now: float, req: Request, pool: Sequence[ReplicaView]) -> ReplicaView | None:
         if not pool:
             return None
         deltas = []
         for p in pool:
-            q = list(p.prefill_queue.values())
-            deltas.append(self.estimate_gain(now, p, q + [req]) - self.estimate_gain(now, p, q))
+            pre, post = self.gains(now, p, req)
+            deltas.append(post - pre)
         d_max = max(deltas)
         if d_max <= 0:
             return self.argmin_random_ties(pool, lambda p: p.estimate_exec(now))

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from operator import attrgetter
 
 import numpy as np
 
 from router.policies.base import OrderingPolicy, Selection
-from router.request import Request, SLOClass
+from router.request import Request
 from router.view import ReplicaView
 
 _LAT, _DL, _BE = 0, 1, 2
 
 
-_KIND = {SLOClass.LATENCY: _LAT, SLOClass.DEADLINE: _DL, SLOClass.COMPOUND: _DL, SLOClass.BEST_EFFORT: _BE}
+_STATIC = attrgetter("static")
+_DYNAMIC = attrgetter("arrival", "input_tokens", "generated", "len_bound")
 
 
 class GMAX(OrderingPolicy):
@@ -110,28 +112,13 @@ class GMAX(OrderingPolicy):
         model = live[0].model
         v = float(np.mean([p.token_time() for p in live]))
         n = len(reqs)
-        a = np.fromiter(
-            (
-                x
-                for r in reqs
-                for x in (
-                    r.arrival,
-                    r.context_tokens,
-                    r.remaining_bound,
-                    _KIND[r.slo.kind],
-                    r.slo.ttft_s or 0.0,
-                    r.slo.tbt_s or 0.0,
-                    r.deadline_at if r.slo.kind is not SLOClass.LATENCY else 0.0,
-                    r.workflow.deadline_at if r.workflow is not None else 0.0,
-                    r.tier.weight,
-                    r.workflow.tokens_done if r.workflow is not None else 0.0,
-                    r.generated,
-                )
-            ),
-            dtype=np.float64,
-            count=n * 11,
-        ).reshape(n, 11)
-        arrival, ctx, L, kind, ttft, tbt, dl, wf_dl, w, wf_tokens, gen = a.T
+        st = np.array(list(map(_STATIC, reqs)), dtype=np.float64).reshape(n, 7)
+        dyn = np.array(list(map(_DYNAMIC, reqs)), dtype=np.float64).reshape(n, 4)
+        kind, ttft, tbt, dl, wf_dl, w, cap = st.T
+        arrival, inp, gen, bound = dyn.T
+        ctx = inp + gen
+        L = np.minimum(np.maximum(bound, 1.0), np.maximum(cap - gen, 0.0))
+        wf_tokens = np.fromiter((r.workflow.tokens_done if r.workflow is not None else 0 for r in reqs), dtype=np.float64, count=n)
         c = model.coeffs
         pf = model.beta * (c.a_p * ctx * ctx + c.c_p * ctx) + model.t_c
         t_gen = pf + L * v
@@ -173,7 +160,7 @@ class GMAX(OrderingPolicy):
         if not waiting:
             return sel
         waiting = list(waiting)
-        prio, good, t_gen, expired, slack = self.estimate(now, waiting, replicas)
+        prio, good, _t_gen, expired, slack = self.estimate(now, waiting, replicas)
         too_long = np.fromiter(
             (r.slo.waiting_s is not None and r.dispatched_at is None and now - r.arrival > r.slo.waiting_s for r in waiting),
             dtype=bool,

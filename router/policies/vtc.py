@@ -40,7 +40,7 @@ class WeightedVTC(OrderingPolicy):
         pos = dict.fromkeys(queues, 0)
         out: list[Request] = []
         while heap and len(out) < slots:
-            c, t = heapq.heappop(heap)
+            _c, t = heapq.heappop(heap)
             r = queues[t][pos[t]]
             pos[t] += 1
             out.append(r)
