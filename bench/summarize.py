@@ -19,7 +19,8 @@ def main() -> None:
     ap.add_argument("--ours", default="gmax+gorouting")
     ap.add_argument("--baseline", default="fcfs+least-load")
     args = ap.parse_args()
-    rows = json.load(open(args.results))["results"]
+    with open(args.results) as f:
+        rows = json.load(f)["results"]
     print("| load | policy | token goodput/s | non-compound goodput/s | req goodput/s | TDG | att latency | att deadline | att compound | att all | TTFT p50 | TBT p95 | shed | preempted |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
