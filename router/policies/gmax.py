@@ -25,7 +25,7 @@ from operator import attrgetter
 import numpy as np
 
 from router.policies.base import OrderingPolicy, Selection
-from router.request import Request
+from router.request import Request, SLOClass
 from router.view import ReplicaView
 
 _LAT, _DL, _BE = 0, 1, 2
@@ -102,12 +102,13 @@ class GMAX(OrderingPolicy):
 
     # -- estimates ------------------------------------------------------------------------
     def estimate(
-        self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView]
+        self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView], expected: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Return (priority, goodput, t_gen, expired, slack) arrays for `reqs`.
 
         slack: how long the request can still wait before its SLO needs it started —
-        to its TTFT for latency requests, to deadline − t_gen otherwise (−inf if infeasible)."""
+        to its TTFT for latency requests, to deadline − t_gen otherwise (−inf if infeasible).
+        `expected`: use the point estimate of the remaining length instead of the upper bound."""
         live = [p for p in replicas if p.healthy] or list(replicas)
         model = live[0].model
         v = float(np.mean([p.token_time() for p in live]))
@@ -117,6 +118,8 @@ class GMAX(OrderingPolicy):
         kind, ttft, tbt, dl, wf_dl, w, cap = st.T
         arrival, inp, gen, bound = dyn.T
         ctx = inp + gen
+        if expected:
+            bound = np.fromiter((r.len_mean for r in reqs), dtype=np.float64, count=n) - gen
         L = np.minimum(np.maximum(bound, 1.0), np.maximum(cap - gen, 0.0))
         wf_tokens = np.fromiter((r.workflow.tokens_done if r.workflow is not None else 0 for r in reqs), dtype=np.float64, count=n)
         c = model.coeffs
@@ -215,10 +218,16 @@ class GMAX(OrderingPolicy):
         for p in replicas:
             if len(out) >= self.max_preempt_per_frame or not rest:
                 break
-            if p.free > 0 or not p.decoding:
+            if p.free > 0:
                 continue
-            running = list(p.decoding.values())
-            r_prio, r_good, _, _, _ = self.estimate(now, running, [p])
+            # A latency stream is being read by a person: pausing it is a visible stall, so
+            # only requests that are not paced to a reader can be preempted.
+            running = [r for r in p.decoding.values() if r.slo.kind is not SLOClass.LATENCY]
+            if not running:
+                continue
+            # Conservative bounds decide admission; killing work needs the victim to look
+            # hopeless even at its expected length, or bound slack would preempt good work.
+            r_prio, r_good, _, _, _ = self.estimate(now, running, [p], expected=True)
             j = int(np.argmin(r_prio))
             w = rest[0]
             if prio[w] <= r_prio[j] * (1 + self.preempt_threshold):
