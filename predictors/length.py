@@ -12,6 +12,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from bisect import bisect_right
+from statistics import NormalDist
 
 from router.request import Request
 
@@ -45,7 +46,7 @@ class NoisyOracle(LengthEstimator):
 
     def __init__(self, sigma: float = 0.5, q: float = 0.9, seed: int = 0) -> None:
         self.sigma = sigma
-        self.z = _normal_quantile(q)
+        self.z = NormalDist().inv_cdf(q)
         self.rng = random.Random(seed)
         self._noise: dict[int, float] = {}
 
@@ -78,13 +79,6 @@ class EmpiricalQuantile(LengthEstimator):
     def annotate(self, req: Request, true_len: int) -> None:
         req.len_mean = self.mean
         req.len_bound = max(self.conditional_quantile(req.generated) - req.generated, 1.0)
-
-
-def _normal_quantile(q: float) -> float:
-    """Inverse standard-normal CDF."""
-    from statistics import NormalDist
-
-    return NormalDist().inv_cdf(q)
 
 
 def make_estimator(name: str, lengths: list[int], seed: int = 0) -> LengthEstimator:

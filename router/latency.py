@@ -91,10 +91,14 @@ class BatchLatencyModel:
         """Core compute time to prefill `tokens` new tokens over `cached` ones (no t_c)."""
         return self.beta * self._prefill(tokens, cached)
 
+    def raw_decode_step_time(self, n_seqs: int, kv_tokens: float) -> float:
+        """Uncorrected time of one decode-only step of `n_seqs` sequences, `kv_tokens` KV in all."""
+        c = self.coeffs
+        return c.t_c + c.b_d * n_seqs + c.a_d * kv_tokens
+
     def decode_step_time(self, n_seqs: int, kv_tokens: float) -> float:
         """One decode step of `n_seqs` sequences holding `kv_tokens` KV tokens in total."""
-        c = self.coeffs
-        return self.beta * (c.t_c + c.b_d * n_seqs + c.a_d * kv_tokens)
+        return self.beta * self.raw_decode_step_time(n_seqs, kv_tokens)
 
     @property
     def t_c(self) -> float:

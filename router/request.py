@@ -18,7 +18,9 @@ class SLOClass(StrEnum):
     BEST_EFFORT = "best_effort"  # no SLO; gets a default deadline so it is never starved
 
 
-_KIND_CODE = {SLOClass.LATENCY: 0.0, SLOClass.DEADLINE: 1.0, SLOClass.COMPOUND: 1.0, SLOClass.BEST_EFFORT: 2.0}
+# Numeric class codes in `Request.static`, for vectorised policies.
+LATENCY_CODE, DEADLINE_CODE, BEST_EFFORT_CODE = 0.0, 1.0, 2.0
+_KIND_CODE = {SLOClass.LATENCY: LATENCY_CODE, SLOClass.DEADLINE: DEADLINE_CODE, SLOClass.COMPOUND: DEADLINE_CODE, SLOClass.BEST_EFFORT: BEST_EFFORT_CODE}
 
 
 @dataclass(frozen=True, slots=True)

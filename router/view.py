@@ -7,6 +7,7 @@ concurrency budget. Drivers mutate it through `claim` / `first_token` / `release
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.latency import BatchLatencyModel
@@ -93,3 +94,10 @@ class ReplicaView:
         if extra is not None:
             t += self.model.prefill_time(extra.context_tokens) + self.model.t_c
         return t
+
+
+def fleet_speed(replicas: Sequence[ReplicaView]) -> tuple[list[ReplicaView], BatchLatencyModel, float]:
+    """Healthy replicas (all if none is), the latency model to price prefills with, and the
+    mean per-token time over them — what cluster-wide orderings estimate with."""
+    live = [p for p in replicas if p.healthy] or list(replicas)
+    return live, live[0].model, sum(p.token_time() for p in live) / len(live)

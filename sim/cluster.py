@@ -272,7 +272,7 @@ class ClusterSim:
                 if req.generated % self.est.refine_every == 0:
                     self.est.refine(req, true_len)
         if n_dec:
-            view.model.observe(dt, view.model.raw_batch_time([], [kv // n_dec] * n_dec))
+            view.model.observe(dt, view.model.raw_decode_step_time(n_dec, kv // n_dec * n_dec))
         self._start(eng)
         if freed and self.waiting:
             self._schedule()

@@ -49,33 +49,31 @@ class GoRouting(PlacementPolicy):
         phi_a = t_budget / (t_budget - m.t_c) * work
         return max(phi_a - (now - p.ts_prefill), 0.0) + p.n_decode * m.b_d
 
+    def _fitting_value(self, now: float, p: ReplicaView, work: float, budgets: list[float], values: list[float]) -> float:
+        """ESTIMATEGAIN core: Σ value of queued requests whose budget covers φ_a(work)."""
+        if not budgets:
+            return 0.0
+        done = self._done_in(now, p, work, min(budgets))
+        return sum(val for val, b in zip(values, budgets, strict=True) if done <= b)
+
     def gains(self, now: float, p: ReplicaView, req: Request) -> tuple[float, float]:
         """(pre_gain, post_gain): TDG value of queued requests whose first token fits, without
-        and with `req` — one pass over the queue for both."""
+        and with `req` — the queue's budgets and values are computed once for both."""
         v = p.token_time(0)
         queue = list(p.prefill_queue.values())
         budgets = [first_token_budget(r, now, v) for r in queue]
         values = [self._value(r) for r in queue]
         work = p.model.beta * p.prefill_work_raw
-        new_budget = first_token_budget(req, now, v)
-        pre = 0.0
-        if queue:
-            done = self._done_in(now, p, work, min(budgets))
-            pre = sum(val for val, b in zip(values, budgets, strict=True) if done <= b)
-        done_post = self._done_in(now, p, work + p.model.prefill_time(req.context_tokens), min([*budgets, new_budget]))
-        post = sum(val for val, b in zip(values, budgets, strict=True) if done_post <= b)
-        post += self._value(req) if done_post <= new_budget else 0.0
+        pre = self._fitting_value(now, p, work, budgets, values)
+        post_work = work + p.model.prefill_time(req.context_tokens)
+        post = self._fitting_value(now, p, post_work, [*budgets, first_token_budget(req, now, v)], [*values, self._value(req)])
         return pre, post
 
     def estimate_gain(self, now: float, p: ReplicaView, queue: list[Request]) -> float:
         """ESTIMATEGAIN(Q) for an arbitrary queue on replica p (used by tests and tools)."""
-        if not queue:
-            return 0.0
         v = p.token_time(0)
-        budgets = [first_token_budget(r, now, v) for r in queue]
         work = sum(p.model.prefill_time(r.context_tokens) for r in queue)
-        done = self._done_in(now, p, work, min(budgets))
-        return sum(self._value(r) for r, b in zip(queue, budgets, strict=True) if done <= b)
+        return self._fitting_value(now, p, work, [first_token_budget(r, now, v) for r in queue], [self._value(r) for r in queue])
 
     def _choose(self, now: float, req: Request, pool: Sequence[ReplicaView]) -> ReplicaView | None:
         if not pool:

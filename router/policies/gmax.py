@@ -25,11 +25,8 @@ from operator import attrgetter
 import numpy as np
 
 from router.policies.base import OrderingPolicy, Selection
-from router.request import Request, SLOClass
-from router.view import ReplicaView
-
-_LAT, _DL, _BE = 0, 1, 2
-
+from router.request import BEST_EFFORT_CODE, LATENCY_CODE, Request, SLOClass
+from router.view import ReplicaView, fleet_speed
 
 _STATIC = attrgetter("static")
 _DYNAMIC = attrgetter("arrival", "input_tokens", "generated", "len_bound")
@@ -109,9 +106,7 @@ class GMAX(OrderingPolicy):
         slack: how long the request can still wait before its SLO needs it started —
         to its TTFT for latency requests, to deadline − t_gen otherwise (−inf if infeasible).
         `expected`: use the point estimate of the remaining length instead of the upper bound."""
-        live = [p for p in replicas if p.healthy] or list(replicas)
-        model = live[0].model
-        v = float(np.mean([p.token_time() for p in live]))
+        _, model, v = fleet_speed(replicas)
         n = len(reqs)
         st = np.array(list(map(_STATIC, reqs)), dtype=np.float64).reshape(n, 7)
         dyn = np.array(list(map(_DYNAMIC, reqs)), dtype=np.float64).reshape(n, 4)
@@ -125,7 +120,7 @@ class GMAX(OrderingPolicy):
         c = model.coeffs
         pf = model.beta * (c.a_p * ctx * ctx + c.c_p * ctx) + model.t_c
         t_gen = pf + L * v
-        is_lat = kind == _LAT
+        is_lat = kind == LATENCY_CODE
         # Latency: tokens i ≥ i0 can still meet arrival + TTFT + i·TBT when decoding at v.
         late = now + pf - (arrival + ttft + gen * tbt)
         slack_rate = np.maximum(tbt - v, 1e-9)
@@ -135,7 +130,7 @@ class GMAX(OrderingPolicy):
         # its stage sub-deadline but still fits the workflow deadline keeps half its value.
         # Best effort is never worthless: it keeps its value past its default deadline and
         # becomes urgent (slack ≤ 0) as that deadline nears, so it cannot starve.
-        is_be = kind == _BE
+        is_be = kind == BEST_EFFORT_CODE
         fits = (now + t_gen <= dl) | is_be
         fits_wf = (wf_dl > 0) & (now + t_gen <= wf_dl)
         dl_value = ctx + L + wf_tokens
@@ -178,15 +173,19 @@ class GMAX(OrderingPolicy):
             urgent = alive[slack[alive] <= self.urgency_s] if self.jit else alive[:0]
             first = self._group(urgent, prio, waiting, slots) if urgent.size else []
             picked = [waiting[i] for i in first]
+            chosen = list(first)
             if len(picked) < slots:
-                taken = set(first)
-                rest = np.array([i for i in alive if i not in taken], dtype=np.int64)
+                rest = alive[~np.isin(alive, chosen)]
                 if rest.size:
-                    picked += [waiting[i] for i in self._group(rest, prio, waiting, slots - len(picked))]
+                    second = self._group(rest, prio, waiting, slots - len(picked))
+                    chosen += second
+                    picked += [waiting[i] for i in second]
             sel.dispatch = picked
+        else:
+            chosen = []
         if self.preempt and frame_edge and alive.size:
-            chosen = {r.rid for r in sel.dispatch}
-            rest = [i for i in alive[np.argsort(-prio[alive])] if waiting[i].rid not in chosen]
+            by_prio = alive[np.argsort(-prio[alive])]
+            rest = list(by_prio[~np.isin(by_prio, chosen)])
             sel.preempt = self._preemptions(now, rest, prio, good, waiting, replicas)
         return sel
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from router.policies.base import OrderingPolicy, Selection
 from router.request import Request, SLOClass
-from router.view import ReplicaView
+from router.view import ReplicaView, fleet_speed
 
 
 class SimulatedAnnealing(OrderingPolicy):
@@ -39,9 +39,7 @@ class SimulatedAnnealing(OrderingPolicy):
     def select(self, now: float, waiting: Sequence[Request], slots: int, replicas: Sequence[ReplicaView]) -> Selection:
         if slots <= 0 or not waiting:
             return Selection()
-        live = [p for p in replicas if p.healthy] or list(replicas)
-        model = live[0].model
-        v = sum(p.token_time() for p in live) / len(live)
+        live, model, v = fleet_speed(replicas)
         pool = sorted(waiting, key=lambda r: r.ttft_deadline)[: self.max_n]
         if len(pool) <= 1:
             return Selection(dispatch=pool[:slots])

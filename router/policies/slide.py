@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from router.policies.base import OrderingPolicy, Selection
 from router.request import Request, SLOClass
-from router.view import ReplicaView
+from router.view import ReplicaView, fleet_speed
 
 
 class SlideBatching(OrderingPolicy):
@@ -24,9 +24,7 @@ class SlideBatching(OrderingPolicy):
     def select(self, now: float, waiting: Sequence[Request], slots: int, replicas: Sequence[ReplicaView]) -> Selection:
         if slots <= 0 or not waiting:
             return Selection()
-        live = [p for p in replicas if p.healthy] or list(replicas)
-        model = live[0].model
-        v = sum(p.token_time() for p in live) / len(live)
+        live, model, v = fleet_speed(replicas)
         rows = []
         for r in waiting:
             ex = model.prefill_time(r.context_tokens) + model.t_c
