@@ -3,7 +3,8 @@
 `annotate(req, true_len)` sets the first estimate when a request arrives and `refine(req,
 true_len)` updates it as tokens are generated (every `refine_every` tokens). `true_len` is
 passed only because the simulator knows it; only the oracle and the noisy oracle look at
-it. The quantile-forest model (issue: predictors) plugs in behind the same interface.
+it. The quantile-forest model plugs in behind the same interface (`predictors.paired`): it queues
+annotations and answers them in one batch per decision (`flush`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ class LengthEstimator(ABC):
 
     def refine(self, req: Request, true_len: int) -> None:
         self.annotate(req, true_len)
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Answer queued annotations in one batch (drivers call it before every decision)."""
+
+    def done(self, req: Request) -> None:  # noqa: B027 - optional hook
+        """The request left the system (finished or shed); `req.generated` is final if finished."""
+
+    def summary(self) -> dict[str, float]:
+        return {}
 
 
 class OracleLength(LengthEstimator):
@@ -81,7 +91,8 @@ class EmpiricalQuantile(LengthEstimator):
         req.len_bound = max(self.conditional_quantile(req.generated) - req.generated, 1.0)
 
 
-def make_estimator(name: str, lengths: list[int], seed: int = 0) -> LengthEstimator:
+def make_estimator(name: str, lengths: list[int], seed: int = 0, model_path: str | None = None,
+                   prompt_files: list[str] | None = None) -> LengthEstimator:
     if name == "oracle":
         return OracleLength()
     if name == "noisy":
@@ -89,5 +100,11 @@ def make_estimator(name: str, lengths: list[int], seed: int = 0) -> LengthEstima
     if name == "mean":
         return EmpiricalQuantile(lengths)
     if name == "qrf":
-        raise ValueError("the qrf predictor is not built yet (see the predictors issue); use oracle, noisy or mean")
+        if not model_path:
+            raise ValueError("--predictor qrf needs a model file (--predictor-model), made by `slogate train-predictor`")
+        if not prompt_files:
+            raise ValueError("--predictor qrf needs prompt files to pair simulated requests with (--prompts)")
+        from predictors.paired import PairedQRF  # heavy imports only when asked for
+
+        return PairedQRF.factory(model_path, prompt_files)(seed)
     raise ValueError(f"unknown predictor {name!r}; known: oracle, noisy, mean, qrf")

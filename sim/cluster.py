@@ -196,6 +196,7 @@ class ClusterSim:
     # -- scheduling ----------------------------------------------------------------------------------
     def _schedule(self) -> None:
         self.decisions += 1
+        self.est.flush()  # one batched prediction for the arrivals and refinements since the last decision
         d = self.sched.schedule(self.now, list(self.waiting.values()), self.views)
         for req, reason in d.shed:
             self._shed(req, reason)
@@ -221,6 +222,7 @@ class ClusterSim:
         self.waiting.pop(req.rid, None)
         req.shed_reason = reason
         self.shed += 1
+        self.est.done(req)
         led = self.ledgers.pop(req.rid)
         self.account.settle_request(led, ideal_tokens=self.true_len[req.rid])
         if req.workflow is not None:
@@ -281,6 +283,7 @@ class ClusterSim:
         now = self.now
         req.finished_at = now
         view.release(req, now)
+        self.est.done(req)
         self.e2e.append(now - req.arrival)
         self.tokens_processed += req.input_tokens + req.generated
         self.seqs.pop(req.rid, None)

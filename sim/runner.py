@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from predictors.length import make_estimator
+from predictors.length import LengthEstimator, make_estimator
 from router.latency import DEFAULT_PROFILE, PROFILES
 from router.registry import parse_combo
 from router.scheduler import Scheduler
@@ -27,16 +28,26 @@ class SimConfig:
     duration_s: float | None = None
     max_requests: int | None = None
     predictor: str = "mean"
+    predictor_model: str | None = None  # for predictor "qrf": a `slogate train-predictor` file
+    prompts: str | None = None  # for "qrf": comma-separated prompts_*.jsonl to pair requests with
     seed: int = 0
     profile: str = DEFAULT_PROFILE
     budget: int = 48
     max_batched_tokens: int = 512
     frame_s: float = 0.3
 
+    def prompt_files(self) -> list[str]:
+        """Explicit --prompts, else every prompts_*.jsonl beside the trace."""
+        if self.prompts:
+            return [p.strip() for p in self.prompts.split(",") if p.strip()]
+        return sorted(str(p) for p in Path(self.trace).parent.glob("prompts_*.jsonl"))
+
     def describe(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["trace"] = Path(self.trace).name
         d["workflows"] = Path(self.workflows).name if self.workflows else None
+        d["predictor_model"] = Path(self.predictor_model).name if self.predictor_model else None
+        d["prompts"] = ",".join(Path(p).name for p in self.prompt_files()) if self.predictor == "qrf" else None
         return d
 
 
@@ -51,7 +62,17 @@ class Experiment:
         self.workflows = load_workflows(cfg.workflows) if cfg.workflows else None
         self.mix = parse_weights(cfg.mix)
         self.tiers = parse_tiers(cfg.tiers)
-        make_estimator(cfg.predictor, [1], cfg.seed)  # validate the name early
+        self._qrf: Callable[[int], LengthEstimator] | None = None
+        if cfg.predictor == "qrf":  # load the model and prompt pool once for all runs
+            if not cfg.predictor_model:
+                raise ValueError("--predictor qrf needs a model file (--predictor-model), made by `slogate train-predictor`")
+            if not cfg.prompt_files():
+                raise ValueError(f"--predictor qrf: no prompts_*.jsonl beside {cfg.trace}; pass --prompts")
+            from predictors.paired import PairedQRF
+
+            self._qrf = PairedQRF.factory(cfg.predictor_model, cfg.prompt_files())  # type: ignore[arg-type]
+        else:
+            make_estimator(cfg.predictor, [1], cfg.seed)  # validate the name early
 
     def workload(self):  # type: ignore[no-untyped-def]
         c = self.cfg
@@ -61,10 +82,11 @@ class Experiment:
         parse_combo(combo)
         c = self.cfg
         wl = self.workload()
-        est = make_estimator(c.predictor, wl.output_lengths, c.seed)
+        est = self._qrf(c.seed) if self._qrf else make_estimator(c.predictor, wl.output_lengths, c.seed)
         engine = EngineConfig(PROFILES[c.profile], budget=c.budget, max_batched_tokens=c.max_batched_tokens)
         sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=c.seed), est, engine, n_replicas=c.replicas, frame_s=c.frame_s,
                          stage_estimate="oracle" if c.predictor == "oracle" else "uniform")
         row = result_row(sim.run())
         row["requests"] = wl.n_requests
+        row.update(est.summary())
         return row

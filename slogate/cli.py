@@ -40,6 +40,8 @@ def simulate(
     max_requests: Annotated[int | None, typer.Option(help="stop after this many LLM calls")] = None,
     policies: Annotated[str, typer.Option(help="ORDERING+PLACEMENT,... e.g. gmax+gorouting,fcfs+least-load")] = "gmax+gorouting,fcfs+least-load",
     predictor: Annotated[str, typer.Option(help="oracle | noisy | mean | qrf")] = "mean",
+    predictor_model: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="for --predictor qrf: a train-predictor model file")] = None,
+    prompts: Annotated[str | None, typer.Option(help="for qrf: prompts_*.jsonl to pair requests with (default: those beside the trace)")] = None,
     budget: Annotated[int, typer.Option(min=1, help="gateway's per-replica concurrency budget")] = 48,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="write results JSON here")] = None,
@@ -56,7 +58,8 @@ def simulate(
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--policies") from e
     scales = _floats(rate_scale)
-    cfg = SimConfig(str(trace), str(workflows) if workflows else None, mix, tiers, slo_scale, replicas, scales[0], duration_s, max_requests, predictor, seed, budget=budget)
+    cfg = SimConfig(str(trace), str(workflows) if workflows else None, mix, tiers, slo_scale, replicas, scales[0], duration_s, max_requests, predictor, seed, budget=budget,
+                    predictor_model=str(predictor_model) if predictor_model else None, prompts=prompts)
     try:
         exp = Experiment(cfg)
     except ValueError as e:
@@ -126,3 +129,98 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 if __name__ == "__main__":
     app()
+
+
+def _progress_cb(prog: Progress, task: Any) -> Any:
+    def cb(stage: str, frac: float) -> None:
+        prog.update(task, description=stage, completed=round(frac * 100))
+
+    return cb
+
+
+def _data_files(spec: str) -> list[Path]:
+    files = [Path(p.strip()) for p in spec.split(",") if p.strip()]
+    missing = [str(p) for p in files if not p.is_file()]
+    if not files or missing:
+        raise typer.BadParameter(f"no such file(s): {', '.join(missing) or spec!r}", param_hint="--data")
+    return files
+
+
+@app.command("train-predictor")
+def train_predictor(
+    data: Annotated[str, typer.Option(help="prompts_*.jsonl file(s), comma-separated")],
+    out: Annotated[Path, typer.Option(help="model file to write")],
+    quantile: Annotated[float, typer.Option(min=0.5, max=0.99, help="quantile q of the remaining length to bound")] = 0.9,
+    heldout: Annotated[float, typer.Option(min=0.0, max=0.9, help="share of prompts kept out of training (for eval-predictor)")] = 0.2,
+    seed: int = 0,
+) -> None:
+    """Train the length upper-bound model (split by prompt; held-out prompts are recorded by rule)."""
+    from predictors.evaluate import load_prompt_rows, split_rows
+    from predictors.qrf import LengthModel
+
+    files = _data_files(data)
+    try:
+        rows = load_prompt_rows(files)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--data") from e
+    train, test = split_rows(rows, heldout)
+    model = LengthModel(q=quantile)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as prog:
+        task = prog.add_task("loading", total=100)
+        try:
+            model.fit([r.prompt for r in train], [r.true_len for r in train], [r.prompt.text for r in train],
+                      progress=_progress_cb(prog, task), seed=seed)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--data") from e
+    model.meta.update({"heldout_fraction": heldout, "split_salt": "", "data": [f.name for f in files],
+                       "train_rows": len(train), "heldout_rows": len(test)})
+    size = model.save(out)
+    console.print(f"trained on {len(train):,} rows ({len(test):,} held out) in {model.meta['train_s']} s; wrote {out} ({size / 1e6:.1f} MB)")
+
+
+@app.command("eval-predictor")
+def eval_predictor(
+    model: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="a train-predictor model file")],
+    data: Annotated[str, typer.Option(help="prompts_*.jsonl file(s), comma-separated")],
+    out: Annotated[Path, typer.Option(help="report JSON to write")],
+    all_rows: Annotated[bool, typer.Option("--all", help="evaluate on every row (data the model never saw), not only its held-out prompts")] = False,
+) -> None:
+    """Coverage, tightness and pinball loss of the bound on held-out prompts, vs baselines."""
+    from predictors.evaluate import evaluate, load_prompt_rows, split_rows
+    from predictors.qrf import LengthModel
+
+    try:
+        m = LengthModel.load(model)
+        rows = load_prompt_rows(_data_files(data))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    frac = float(m.meta.get("heldout_fraction", 0.0))
+    if all_rows:
+        train, test = [], rows
+    else:
+        if frac <= 0:
+            raise typer.BadParameter("the model was trained without held-out prompts; pass --all with data it never saw")
+        train, test = split_rows(rows, frac, str(m.meta.get("split_salt", "")))
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as prog:
+        task = prog.add_task("evaluating", total=100)
+        try:
+            report = evaluate(m, train, test, progress=_progress_cb(prog, task))
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+    report["model_file_mb"] = round(model.stat().st_size / 1e6, 2)
+    out.write_text(json.dumps(report, indent=2))
+    t = Table(title=f"length bound q={report['quantile']} on {report['n']:,} held-out rows")
+    for col in ("", "n", "cover@0", "mean ratio@0", "p50 ratio@0", "cover@100", "mean ratio@100", "pinball@0"):
+        t.add_column(col)
+
+    def add(name: str, d: dict[str, Any]) -> None:
+        t.add_row(name, str(d.get("n", d.get("n_at_0", ""))), *[str(d.get(k, "")) for k in (
+            "coverage_at_0", "mean_ratio_at_0", "p50_ratio_at_0", "coverage_at_100", "mean_ratio_at_100", "pinball_at_0")])
+
+    add("model", report["model"])
+    for k, v in report["baselines"].items():
+        add(k, v)
+    for s, d in report["by_source"].items():
+        add(f"model · {s}", d)
+    console.print(t)
+    console.print(f"speed: {report['speed']}; wrote {out}")
