@@ -28,13 +28,13 @@ class SimConfig:
     duration_s: float | None = None
     max_requests: int | None = None
     predictor: str = "mean"
-    predictor_model: str | None = None  # for predictor "qrf": a `slogate train-predictor` file
-    prompts: str | None = None  # for "qrf": comma-separated prompts_*.jsonl to pair requests with
     seed: int = 0
     profile: str = DEFAULT_PROFILE
     budget: int = 48
     max_batched_tokens: int = 512
     frame_s: float = 0.3
+    predictor_model: str | None = None  # for predictor "qrf": a `slogate train-predictor` file
+    prompts: str | None = None  # for "qrf": comma-separated prompts_*.jsonl to pair requests with
 
     def prompt_files(self) -> list[str]:
         """Explicit --prompts, else every prompts_*.jsonl beside the trace."""
