@@ -15,6 +15,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from predictors.length import LengthEstimator
+from predictors.pattern_graph import PatternStore, StageNode
 from router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from router.latency import BatchLatencyModel, LatencyCoeffs
 from router.request import SLO, Request, Tier, Workflow
@@ -81,7 +82,11 @@ class ClusterSim:
         self.sched = scheduler
         self.est = estimator
         self.frame_s = frame_s
+        if stage_estimate not in ("uniform", "pattern", "oracle"):
+            raise ValueError(f"unknown stage estimate {stage_estimate!r}; known: uniform, pattern, oracle")
         self.stage_estimate = stage_estimate
+        self.patterns: PatternStore | None = None
+        self._stages: dict[str, list[StageNode]] = {}
         self.horizon = workload.span_s + drain_s
         factors = engine.speed_factors or [1.0] * n_replicas
         self.engines = [
@@ -175,9 +180,10 @@ class ClusterSim:
         wf = Workflow(f"{spec.workflow_id}#{next(self._seq)}", self.now, self.now + job.wf_deadline_s)
         if self.stage_estimate == "oracle":
             phi = spec.stage_shares()
+        elif self.stage_estimate == "pattern":
+            phi = {}  # matched stage by stage as the workflow reveals itself (_stage_phi)
         else:  # uniform split over the typical number of stages seen in history
-            n = max(self.wl.median_stages, 1.0)
-            phi = {s: min((k + 1) / n, 1.0) for k, s in enumerate(sorted({c.stage for c in spec.calls}))}
+            phi = self._uniform_phi(spec)
         run = _WfRun(spec, wf, WorkflowLedger(wf, job.tier.weight), job.tier, phi)
         run.ideal_tdg = job.tier.weight * sum(c.output_tokens for c in spec.calls)
         self.runs.append(run)
@@ -186,8 +192,32 @@ class ClusterSim:
                 self._push(self.now + c.gap_s, ARRIVE, (run, c))
                 run.issued.add(c.call_id)
 
+    def _uniform_phi(self, spec: WorkflowSpec) -> dict[int, float]:
+        n = max(self.wl.median_stages, 1.0)
+        return {s: min((k + 1) / n, 1.0) for k, s in enumerate(sorted({c.stage for c in spec.calls}))}
+
+    def _stage_phi(self, run: _WfRun, stage: int) -> float:
+        """φ̂(s) from the pattern store, at the first call of stage s: the earlier stages are
+        done (their tokens are known), this one's calls and inputs are known, its outputs not.
+        The store holds the other workflows of the file (leave-one-out)."""
+        if stage not in run.phi:
+            if self.patterns is None:
+                self.patterns = PatternStore(capacity=max(len(self.wl.workflow_specs), 1))
+                for sp in self.wl.workflow_specs:
+                    self.patterns.add(sp.workflow_id, sp.calls)
+            st = self._stages.get(run.spec.workflow_id)
+            if st is None:
+                st = self._stages[run.spec.workflow_id] = run.spec.stages()
+            k = next((i for i, n in enumerate(st) if n.stage == stage), len(st) - 1)
+            est = self.patterns.match(st[:k], st[k], exclude=run.spec.workflow_id)
+            prev = max((v for s, v in run.phi.items() if s < stage), default=0.0)
+            phi = est.phi if est is not None else self._uniform_phi(run.spec).get(stage, 1.0)
+            run.phi[stage] = min(max(phi, prev), 1.0)  # sub-deadlines never move backwards
+        return run.phi[stage]
+
     def _issue_call(self, run: _WfRun, call: Call) -> None:
-        sub_deadline = run.wf.started_at + run.phi.get(call.stage, 1.0) * (run.wf.deadline_at - run.wf.started_at)
+        phi = self._stage_phi(run, call.stage) if self.stage_estimate == "pattern" else run.phi.get(call.stage, 1.0)
+        sub_deadline = run.wf.started_at + phi * (run.wf.deadline_at - run.wf.started_at)
         slo = SLO.compound(max(sub_deadline - self.now, 0.05))
         req = Request(next(self._rid), self.now, call.input_tokens, slo, tier=run.tier, tenant=run.tier.name, workflow=run.wf, stage=call.stage)
         self.wf_of[req.rid] = (run, call)

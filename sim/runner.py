@@ -35,6 +35,7 @@ class SimConfig:
     frame_s: float = 0.3
     predictor_model: str | None = None  # for predictor "qrf": a `slogate train-predictor` file
     prompts: str | None = None  # for "qrf": comma-separated prompts_*.jsonl to pair requests with
+    stage_estimate: str | None = None  # uniform | pattern | oracle; default: oracle with the oracle predictor, else pattern
 
     def prompt_files(self) -> list[str]:
         """Explicit --prompts, else every prompts_*.jsonl beside the trace."""
@@ -85,7 +86,7 @@ class Experiment:
         est = self._qrf(c.seed) if self._qrf else make_estimator(c.predictor, wl.output_lengths, c.seed)
         engine = EngineConfig(PROFILES[c.profile], budget=c.budget, max_batched_tokens=c.max_batched_tokens)
         sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=c.seed), est, engine, n_replicas=c.replicas, frame_s=c.frame_s,
-                         stage_estimate="oracle" if c.predictor == "oracle" else "uniform")
+                         stage_estimate=c.stage_estimate or ("oracle" if c.predictor == "oracle" else "pattern"))
         row = result_row(sim.run())
         row["requests"] = wl.n_requests
         row.update(est.summary())

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from predictors.pattern_graph import StageNode, call_label, stage_shares, stage_summary, workflow_graph
 from router.request import SLO, SLOClass, Tier
 
 # JITServe evaluation SLOs (P95 of 1k DeepSeek API calls): TTFT 2 s, TBT 100 ms,
@@ -38,6 +39,7 @@ class Call:
     output_tokens: int
     parents: list[int]
     gap_s: float  # non-LLM time after the parents finish
+    label: str = ""  # what the call is (phase / kind / the tool it reads), for pattern matching
 
 
 @dataclass(slots=True)
@@ -49,18 +51,14 @@ class WorkflowSpec:
     def n_stages(self) -> int:
         return len({c.stage for c in self.calls})
 
-    def stage_shares(self, token_time_s: float = 0.025, prefill_s_per_token: float = 1e-4) -> dict[int, float]:
+    def stages(self) -> list[StageNode]:
+        """Stage super-nodes of this workflow's pattern graph."""
+        return stage_summary(workflow_graph(self.calls))
+
+    def stage_shares(self) -> dict[int, float]:
         """φ(s): cumulative share of the workflow's time up to the end of stage s."""
-        per_stage: dict[int, float] = {}
-        for c in self.calls:
-            t = c.gap_s + c.input_tokens * prefill_s_per_token + c.output_tokens * token_time_s
-            per_stage[c.stage] = max(per_stage.get(c.stage, 0.0), t)  # calls of a stage run side by side
-        total = sum(per_stage.values()) or 1.0
-        acc, out = 0.0, {}
-        for s in sorted(per_stage):
-            acc += per_stage[s]
-            out[s] = acc / total
-        return out
+        st = self.stages()
+        return {n.stage: float(v) for n, v in zip(st, stage_shares(st), strict=True)}
 
 
 @dataclass(slots=True)
@@ -83,6 +81,7 @@ class Workload:
     span_s: float = 0.0
     output_lengths: list[int] = field(default_factory=list)  # for the trace-mean predictor
     median_stages: float = 1.0
+    workflow_specs: list[WorkflowSpec] = field(default_factory=list)  # the history pattern matching draws on
 
     @property
     def n_requests(self) -> int:
@@ -99,6 +98,7 @@ def load_workflows(path: str | Path) -> list[WorkflowSpec]:
     with open(path) as f:
         for line in f:
             w = json.loads(line)
+            by_id = {int(c["call_id"]): c for c in w["calls"]}
             calls = [
                 Call(
                     call_id=int(c["call_id"]),
@@ -107,6 +107,7 @@ def load_workflows(path: str | Path) -> list[WorkflowSpec]:
                     output_tokens=max(int(c["output_tokens"]), 1),
                     parents=[int(p) for p in c.get("parent_ids") or []],
                     gap_s=float(c.get("gap_before_s") or c.get("tool_time_s") or 0.0),
+                    label=call_label(c, by_id),
                 )
                 for c in w["calls"]
             ]
@@ -155,6 +156,7 @@ def build_workload(
     if workflows:
         stages = sorted(w.n_stages for w in workflows)
         wl.median_stages = float(stages[len(stages) // 2])
+        wl.workflow_specs = list(workflows)
     t0 = trace[0].arrival if trace else 0.0
     compound_rows = 0
     n_calls = 0

@@ -42,6 +42,7 @@ def simulate(
     predictor: Annotated[str, typer.Option(help="oracle | noisy | mean | qrf")] = "mean",
     predictor_model: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="for --predictor qrf: a train-predictor model file")] = None,
     prompts: Annotated[str | None, typer.Option(help="for qrf: prompts_*.jsonl to pair requests with (default: those beside the trace)")] = None,
+    stage_estimate: Annotated[str | None, typer.Option(help="workflow sub-deadlines: uniform | pattern | oracle (default: pattern; oracle with --predictor oracle)")] = None,
     budget: Annotated[int, typer.Option(min=1, help="gateway's per-replica concurrency budget")] = 48,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="write results JSON here")] = None,
@@ -59,7 +60,8 @@ def simulate(
         raise typer.BadParameter(str(e), param_hint="--policies") from e
     scales = _floats(rate_scale)
     cfg = SimConfig(str(trace), str(workflows) if workflows else None, mix, tiers, slo_scale, replicas, scales[0], duration_s, max_requests, predictor, seed, budget=budget,
-                    predictor_model=str(predictor_model) if predictor_model else None, prompts=prompts)
+                    predictor_model=str(predictor_model) if predictor_model else None, prompts=prompts,
+                    stage_estimate=stage_estimate)
     try:
         exp = Experiment(cfg)
     except ValueError as e:

@@ -36,12 +36,12 @@ def trained() -> tuple[LengthModel, list[PromptRow], list[PromptRow]]:
 
 # ------------------------------------------------------------------ features
 def test_cues_and_explicit_limits_are_read_from_the_text() -> None:
-    f = dict(zip(HAND_FEATURES, hand_features(PromptInput("Write a Python function; explain step by step. Keep it under 100 words."))))
+    f = dict(zip(HAND_FEATURES, hand_features(PromptInput("Write a Python function; explain step by step. Keep it under 100 words.")), strict=True))
     assert f["cue_code"] == 1 and f["cue_step_by_step"] == 1 and f["cue_translate"] == 0
     assert asked_tokens("answer in 100 words") == pytest.approx(130)
     assert asked_tokens("write three paragraphs") == pytest.approx(330)
     assert asked_tokens("no limit here") == 0
-    assert dict(zip(HAND_FEATURES, hand_features(PromptInput("What is 2+2?"))))["cue_question"] == 1
+    assert dict(zip(HAND_FEATURES, hand_features(PromptInput("What is 2+2?")), strict=True))["cue_question"] == 1
 
 
 def test_prompt_from_body_reads_chat_completions_and_responses_shapes() -> None:
@@ -143,7 +143,7 @@ def test_training_refuses_too_little_data() -> None:
 def test_split_is_by_prompt_and_deterministic() -> None:
     rows = _rows(600)
     a_train, a_test = split_rows(rows, 0.2)
-    b_train, b_test = split_rows(rows, 0.2)
+    _b_train, b_test = split_rows(rows, 0.2)
     assert [r.prompt.text for r in a_test] == [r.prompt.text for r in b_test]
     assert not {r.prompt.text for r in a_train} & {r.prompt.text for r in a_test}
     assert 0.1 < len(a_test) / len(rows) < 0.3
@@ -235,7 +235,7 @@ def test_train_and_eval_cli_write_the_documented_report(tmp_path: Path, syntheti
 def test_load_prompt_rows_reports_bad_lines(tmp_path: Path) -> None:
     p = tmp_path / "prompts_bad.jsonl"
     p.write_text('{"prompt": "a", "response_len_tokens_cl100k": 3}\n{"prompt": "b"}\n')
-    with pytest.raises(ValueError, match="prompts_bad.jsonl:2"):
+    with pytest.raises(ValueError, match=r"prompts_bad\.jsonl:2"):
         load_prompt_rows([p])
 
 
