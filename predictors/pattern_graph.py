@@ -217,6 +217,8 @@ class PatternStore:
         if self._dirty:
             self._compile()
         s = len(revealed)
+        if s >= self.A.shape[1]:
+            return None  # longer than every stored graph
         cand = self.len > s
         if exclude is not None:
             cand &= np.array([k != exclude for k in self.keys])
