@@ -8,4 +8,5 @@ POLICIES="${POLICIES:-gmax+gorouting,fcfs+least-load,fcfs+gorouting,edf+least-lo
 slogate simulate --trace "$D/$TRACE" --workflows "$D/workflows_chatdev.jsonl" \
   --mix latency=1,deadline=1,compound=1 --tiers high=2:0.5,low=1:0.5 --replicas 8 \
   --max-requests "${MAX_REQUESTS:-10000}" --rate-scale "$RATES" --policies "$POLICIES" \
-  --predictor "$PRED" --seed 0 --out "$OUT" --plot "${OUT%.json}.png"
+  --predictor "$PRED" --seed 0 --out "$OUT" --plot "${OUT%.json}.png" \
+  ${STAGE_ESTIMATE:+--stage-estimate "$STAGE_ESTIMATE"}
