@@ -259,3 +259,51 @@ def eval_graphs(
                   f"p99 {report['match_latency_500']['p99_ms']} ms")
     if out:
         out.write_text(json.dumps(report, indent=2))
+
+
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="gateway YAML config")] = None,
+    backend: Annotated[list[str] | None, typer.Option(help="backend URL (repeatable); models are discovered from /v1/models")] = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    sim_engines: Annotated[int, typer.Option(help="with no config and no backend: simulated engines to start")] = 4,
+    log_level: str = "info",
+) -> None:
+    """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state."""
+    import asyncio
+
+    from gateway.config import BackendConfig, load_config
+    from gateway.serve import serve as run
+
+    try:
+        cfg = load_config(config)
+    except (ValueError, OSError) as e:
+        raise typer.BadParameter(str(e), param_hint="--config") from e
+    if backend:
+        try:
+            cfg.backends = [BackendConfig(url=u) for u in backend]
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--backend") from e
+    n_sim = sim_engines if not cfg.backends else 0
+    if n_sim:
+        console.print(f"no backend configured: starting {n_sim} simulated engines (model 'sim-model')")
+    asyncio.run(run(cfg, host, port, sim_engines=n_sim, log_level=log_level))
+
+
+@app.command()
+def engine(
+    port: int = 8001,
+    host: str = "127.0.0.1",
+    model: str = "sim-model",
+    max_num_seqs: int = 64,
+    time_scale: Annotated[float, typer.Option(help="> 1 slows every step down by this factor")] = 1.0,
+    priority_scheduling: bool = False,
+) -> None:
+    """A simulated vLLM engine (OpenAI API, vLLM /metrics) whose token timing follows the batch latency model."""
+    import uvicorn
+
+    from sim.server import create_engine_app
+
+    uvicorn.run(create_engine_app(model, max_num_seqs=max_num_seqs, time_scale=time_scale, priority_scheduling=priority_scheduling),
+                host=host, port=port, log_level="warning")

@@ -1,0 +1,524 @@
+"""The live gateway: FastAPI app driving the decision core (`router/`) and predictors.
+
+Request path: read and validate the body (size limit, JSON, OpenAI shape) → resolve SLO /
+tier / workflow (`gateway.slo`) → wait in the admission queue (`gateway.admission`) until the
+ordering and placement policies give it a replica → open the upstream request (retrying on
+another replica on a connect error or a 5xx before the first byte) → stream the engine's
+events through unchanged (paced for latency streams), counting tokens and their times for
+goodput, the replica's view and the length predictor → release the slot and settle metrics.
+A client that disconnects — while queued, while waiting for the upstream, or mid-stream —
+closes the upstream request and frees the slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.admission import Admission, Ticket
+from gateway.config import BackendConfig, GatewayConfig
+from gateway.errors import APIError, error_body
+from gateway.metrics import Metrics
+from gateway.pacing import Pacer, paced
+from gateway.slo import Resolved, WorkflowRegistry, resolve
+from gateway.sse import KEEPALIVE, EventInfo, error_event, inspect, iter_events
+from predictors.features import prompt_from_body
+from predictors.online import OnlineLengthPredictor
+from router.goodput import RequestLedger
+from router.latency import PROFILES, BatchLatencyModel
+from router.registry import make_ordering, make_placement
+from router.request import Request as CoreRequest
+from router.request import SLOClass
+from router.scheduler import Scheduler
+from router.view import ReplicaView
+
+log = logging.getLogger("slogate.gateway")
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
+JSON_IN_THREAD = 256 * 1024  # bodies larger than this are parsed / encoded off the event loop
+
+
+@dataclass(eq=False)
+class Backend:
+    cfg: BackendConfig
+    view: ReplicaView
+    name: str
+    models: set[str] = field(default_factory=set)
+
+
+class _Retryable(Exception):
+    pass
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None) -> None:
+        if not cfg.backends:
+            raise ValueError("the gateway needs at least one backend")
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.workflows = WorkflowRegistry()
+        coeffs = PROFILES[cfg.policies.profile]
+        self.backends = [Backend(b, ReplicaView(i, BatchLatencyModel(coeffs), budget=b.budget), b.name or b.url, set(b.models))
+                         for i, b in enumerate(cfg.backends)]
+        self.predictor = predictor
+        self.groups: dict[str, Admission] = {}
+        self.client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        total = sum(b.cfg.budget for b in self.backends)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(self.cfg.first_byte_timeout_s, connect=self.cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=total + 64, max_keepalive_connections=total + 64))
+        await asyncio.gather(*(self._check(b, discover=True) for b in self.backends))
+        self._rebuild_groups()
+        for adm in self.groups.values():
+            adm.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for adm in self.groups.values():
+            await adm.stop()
+        if self.client is not None:
+            await self.client.aclose()
+        if self.predictor is not None:
+            self.predictor.close()
+
+    def _rebuild_groups(self) -> None:
+        models = sorted({m for b in self.backends for m in b.models})
+        for m in models:
+            if m in self.groups:
+                continue
+            p = self.cfg.policies
+            sched = Scheduler(make_ordering(p.ordering, seed=p.seed), make_placement(p.placement, seed=p.seed))
+            views = [b.view for b in self.backends if m in b.models]
+            adm = Admission(sched, views, max_queue=self.cfg.max_queue, frame_s=p.frame_s, predictor=self.predictor,
+                            refine_every=self.cfg.predictor.refine_every)
+            adm.on_refused = lambda t, reason, m=m: self.metrics.shed.labels(m, reason).inc()
+            self.groups[m] = adm
+            with contextlib.suppress(RuntimeError):
+                adm.start()
+
+    async def _check(self, b: Backend, discover: bool = False) -> None:
+        assert self.client is not None
+        try:
+            r = await self.client.get(f"{b.cfg.url}/v1/models", timeout=1.5, headers=self._auth(b))
+            ok = r.status_code == 200
+            if ok and (discover or not b.models) and not b.cfg.models:
+                b.models = {m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m}
+        except (httpx.HTTPError, ValueError):
+            ok = False
+        if ok != b.view.healthy:
+            log.warning("backend %s is now %s", b.name, "healthy" if ok else "UNHEALTHY")
+        b.view.healthy = ok
+        self.metrics.healthy.labels(b.name).set(1 if ok else 0)
+        self.metrics.budget.labels(b.name).set(b.view.budget)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await asyncio.gather(*(self._check(b) for b in self.backends), return_exceptions=True)
+            self._rebuild_groups()
+            for b in self.backends:
+                self.metrics.inflight.labels(b.name).set(b.view.inflight)
+            for m, adm in self.groups.items():
+                self.metrics.queue_depth.labels(m).set(len(adm.waiting))
+            self.workflows.expire(time.monotonic())
+
+    @staticmethod
+    def _auth(b: Backend) -> dict[str, str]:
+        return {"authorization": f"Bearer {b.cfg.api_key}"} if b.cfg.api_key else {}
+
+    # ------------------------------------------------------------------ the request path
+    async def handle(self, kind: str, request: Request) -> Response:
+        t_recv = time.perf_counter()
+        body = await self._read_json(request)
+        _validate(kind, body)
+        model = body["model"]
+        adm = self.groups.get(model)
+        if adm is None:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        now = time.monotonic()
+        res = resolve(body, request.headers, self.cfg, self.workflows, now)
+        prompt = prompt_from_body(body)
+        req = CoreRequest(adm.new_rid(), now, max(len(prompt.text) // 4, 1), res.slo, tier=res.tier, tenant=res.tier.name,
+                          max_tokens=prompt.max_tokens, workflow=res.workflow, stage=res.stage)
+        labels = (model, res.tier.name, res.slo.kind.value)
+        stream = bool(body.get("stream"))
+        watcher = asyncio.get_running_loop().create_task(_disconnected(request))
+        overhead = time.perf_counter() - t_recv
+        try:
+            ticket = await _race(adm.acquire(req, res.waiting_s, prompt), watcher)
+        except APIError as e:
+            outcome = "refused_429" if e.status == 429 else "refused_503" if e.status == 503 else "error"
+            self.metrics.requests.labels(*labels, outcome).inc()
+            raise
+        except _ClientGone:
+            self.metrics.cancelled.labels(model).inc()
+            self.metrics.requests.labels(*labels, "cancelled").inc()
+            return Response(status_code=499)
+        self.metrics.queue_wait.labels(*labels).observe(time.monotonic() - now)
+        first_bound = req.len_bound
+        try:
+            resp, ticket = await _race(self._open(adm, ticket, kind, res, stream, labels), watcher)
+        except _ClientGone:
+            self.metrics.cancelled.labels(model).inc()
+            self.metrics.requests.labels(*labels, "cancelled").inc()
+            return Response(status_code=499)
+        except APIError:
+            watcher.cancel()
+            self.metrics.requests.labels(*labels, "failed").inc()
+            raise
+        self.metrics.overhead.observe(overhead)  # parse, validate, resolve: queue and upstream time excluded
+        if resp.status_code >= 400:  # the engine refused it (4xx): pass its answer through
+            content = await resp.aread()
+            await resp.aclose()
+            watcher.cancel()
+            adm.release(ticket, completed=False)
+            self.metrics.requests.labels(*labels, "upstream_4xx").inc()
+            return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type", "application/json"))
+        led = RequestLedger(req)
+        if not stream:
+            try:
+                content = await _race(resp.aread(), watcher)
+            except _ClientGone:
+                await resp.aclose()
+                adm.release(ticket, completed=False)
+                self.metrics.cancelled.labels(model).inc()
+                self.metrics.requests.labels(*labels, "cancelled").inc()
+                return Response(status_code=499)
+            except httpx.HTTPError as e:
+                watcher.cancel()
+                adm.release(ticket, completed=False)
+                self.metrics.requests.labels(*labels, "failed").inc()
+                raise APIError(502, f"upstream failed while answering: {e!s}") from None
+            finally:
+                await resp.aclose()
+            watcher.cancel()
+            n_out = _usage_out(content)
+            t_end = time.monotonic()
+            for _ in range(max(n_out, 1 if content else 0)):
+                led.on_token(t_end)
+            req.generated = n_out
+            adm.tokens(ticket, n_out)
+            self._settle(adm, ticket, led, labels, "completed", first_bound)
+            return Response(content, status_code=resp.status_code, media_type="application/json")
+        watcher.cancel()  # from here the StreamingResponse watches the client itself
+        client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        gen = self._relay(adm, ticket, resp, led, labels, client_usage, first_bound)
+        return StreamingResponse(gen, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def _read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.cfg.max_body_bytes
+        cl = request.headers.get("content-length")
+        if cl and cl.isdigit() and int(cl) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes")
+        chunks, size = [], 0
+        async for c in request.stream():
+            size += len(c)
+            if size > limit:
+                raise APIError(413, f"request body exceeds {limit} bytes")
+            chunks.append(c)
+        raw = b"".join(chunks)
+        try:
+            body = await asyncio.to_thread(json.loads, raw) if len(raw) > JSON_IN_THREAD else json.loads(raw)
+        except UnicodeDecodeError:
+            raise APIError(400, "request body is not valid UTF-8") from None
+        except (json.JSONDecodeError, RecursionError):
+            raise APIError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        return body
+
+    def _upstream_body(self, b: Backend, kind: str, res: Resolved, stream: bool) -> dict[str, Any]:
+        body = dict(res.body)
+        if b.cfg.kind != "openai":
+            body.pop("service_tier", None)
+        if b.cfg.priority_scheduling:
+            # vLLM: lower runs first. The client's integer wins; else heavier tiers go first.
+            body["priority"] = res.vllm_priority if res.vllm_priority is not None else -round(res.tier.weight * 10)
+        else:
+            body.pop("priority", None)
+        if stream and kind != "responses":
+            so = dict(body.get("stream_options") or {})
+            so["include_usage"] = True  # exact token counts
+            body["stream_options"] = so
+        return body
+
+    async def _open(self, adm: Admission, ticket: Ticket, kind: str, res: Resolved, stream: bool,
+                    labels: tuple[str, str, str]) -> tuple[httpx.Response, Ticket]:
+        assert self.client is not None
+        attempt = 0
+        while True:
+            b = self.backends[ticket.replica]  # type: ignore[index]
+            body = self._upstream_body(b, kind, res, stream)
+            content = await asyncio.to_thread(json.dumps, body) if len(str(body.get("messages", ""))) > JSON_IN_THREAD else json.dumps(body)
+            try:
+                rq = self.client.build_request("POST", b.cfg.url + PATHS[kind], content=content,
+                                               headers={"content-type": "application/json", **self._auth(b)})
+                resp = await self.client.send(rq, stream=True)
+                if resp.status_code >= 500:
+                    text = (await resp.aread())[:200].decode("utf-8", "replace")
+                    await resp.aclose()
+                    raise _Retryable(f"{b.name} answered {resp.status_code}: {text}")
+                return resp, ticket
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, _Retryable) as e:
+                if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+                    b.view.healthy = False  # until the health check sees it answer again
+                    self.metrics.healthy.labels(b.name).set(0)
+                adm.release(ticket, completed=False)
+                attempt += 1
+                self.metrics.retries.labels(b.name).inc()
+                log.warning("upstream attempt %d on %s failed: %s", attempt, b.name, e)
+                if attempt > self.cfg.retries:
+                    raise APIError(502, f"all upstream attempts failed; last: {e!s}") from None
+                ticket.req.dispatched_at = None
+                ticket = await adm.acquire(ticket.req, max(res.waiting_s, 1.0))
+
+    async def _relay(self, adm: Admission, t: Ticket, resp: httpx.Response, led: RequestLedger, labels: tuple[str, str, str],
+                     client_usage: bool, first_bound: float) -> AsyncIterator[bytes]:
+        req = t.req
+        outcome = "completed"
+        pacer = Pacer(req.slo.tbt_s) if self.cfg.pacing and req.kind is SLOClass.LATENCY and req.slo.tbt_s else None
+        exact: int | None = None
+        counted = 0
+        try:
+            source = self._inspected(resp, adm, t)
+            items: AsyncIterator[tuple[bytes, EventInfo | None]] = (
+                paced(_triples(source), pacer) if pacer else _pairs(source))  # type: ignore[arg-type]
+            async for ev, info in items:
+                if info is not None:
+                    if info.usage_out is not None:
+                        exact = info.usage_out
+                    if info.usage_only and not client_usage:
+                        continue
+                    if info.tokens:
+                        now = time.monotonic()
+                        for _ in range(info.tokens):
+                            led.on_token(now)
+                        counted += info.tokens
+                yield ev
+        except (httpx.HTTPError, ValueError) as e:
+            outcome = "failed"
+            log.warning("upstream stream broke after the first byte: %s", e)
+            yield error_event(f"the upstream stream failed: {e!s}")
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            self.metrics.cancelled.labels(labels[0]).inc()
+            raise
+        finally:
+            await resp.aclose()
+            if exact is not None and exact > counted:  # several tokens per chunk: count the rest at the end
+                now = time.monotonic()
+                for _ in range(exact - counted):
+                    led.on_token(now)
+            self._settle(adm, t, led, labels, outcome, first_bound)
+
+    async def _inspected(self, resp: httpx.Response, adm: Admission, t: Ticket) -> AsyncIterator[tuple[bytes, EventInfo | None, float]]:
+        """Upstream events with what they carry, keeping the client alive while the first token is slow."""
+        events = iter_events(resp.aiter_raw()).__aiter__()
+        first = True
+        while True:
+            try:
+                ev = await asyncio.wait_for(events.__anext__(), self.cfg.keepalive_s) if first else await events.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                yield KEEPALIVE, None, time.monotonic()
+                continue
+            info = inspect(ev)
+            if info.tokens:
+                if t.req.generated == 0:
+                    adm.first_token(t)
+                    first = False
+                    t.req.first_token_at = time.monotonic()
+                t.req.generated += info.tokens
+                adm.tokens(t, info.tokens)
+            yield ev, info, time.monotonic()
+
+    def _settle(self, adm: Admission, t: Ticket, led: RequestLedger, labels: tuple[str, str, str], outcome: str, first_bound: float) -> None:
+        req = t.req
+        m = self.metrics
+        gp = _token_goodput(led)
+        adm.release(t, goodput=gp, completed=outcome == "completed")
+        m.requests.labels(*labels, outcome).inc()
+        m.tokens.labels(*labels, "input").inc(req.input_tokens)
+        m.tokens.labels(*labels, "output").inc(led.tokens)
+        if outcome != "completed":
+            return
+        m.token_goodput.labels(*labels).inc(gp)
+        attained = led.attained() if req.kind is not SLOClass.COMPOUND else (led.last_at is not None and led.last_at <= req.deadline_at)
+        m.request_goodput.labels(*labels).inc(int(attained))
+        m.tdg.labels(*labels).inc(led.tdg_value() if req.kind is not SLOClass.COMPOUND else (led.tdg_ideal() if attained else 0.0))
+        m.tdg_ideal.labels(*labels).inc(led.tdg_ideal())
+        if led.first_at is not None:
+            m.ttft.labels(*labels).observe(led.first_at - req.arrival)
+        if led.last_at is not None:
+            m.e2e.labels(*labels).observe(led.last_at - req.arrival)
+            if led.tokens > 1 and led.first_at is not None:
+                m.tbt.labels(*labels).observe((led.last_at - led.first_at) / (led.tokens - 1))
+        if t.track is not None and req.generated > 0:
+            m.pred_bounds.labels(labels[0]).inc()
+            m.pred_covered.labels(labels[0]).inc(int(req.generated <= first_bound))
+
+
+def _token_goodput(led: RequestLedger) -> float:
+    r = led.req
+    if r.kind is SLOClass.COMPOUND:  # per call, against the workflow's deadline
+        return float(r.input_tokens + led.tokens) if led.last_at is not None and led.last_at <= r.deadline_at else 0.0
+    return led.token_goodput()
+
+
+async def _pairs(src: AsyncIterator[tuple[bytes, EventInfo | None, float]]) -> AsyncIterator[tuple[bytes, EventInfo | None]]:
+    async for ev, info, _ in src:
+        yield ev, info
+
+
+async def _triples(src: AsyncIterator[tuple[bytes, EventInfo | None, float]]) -> AsyncIterator[tuple[tuple[bytes, EventInfo | None], int, float]]:
+    async for ev, info, at in src:
+        yield (ev, info), (info.tokens if info else 0), at
+
+
+def _usage_out(content: bytes) -> int:
+    try:
+        d = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return 0
+    u = d.get("usage") if isinstance(d, dict) else None
+    if isinstance(u, dict):
+        n = u.get("completion_tokens", u.get("output_tokens"))
+        if isinstance(n, int):
+            return n
+    return 0
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _race(coro: Any, watcher: asyncio.Task[None]) -> Any:
+    """Await `coro` unless the client disconnects first (then cancel it and raise _ClientGone)."""
+    task = asyncio.ensure_future(coro)
+    if watcher.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise _ClientGone
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise _ClientGone
+
+
+def _validate(kind: str, body: dict[str, Any]) -> None:
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise APIError(400, "`model` is required and must be a string", param="model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise APIError(400, "`stream` must be a boolean", param="stream")
+    for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        v = body.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise APIError(400, f"`{k}` must be a positive integer", param=k)
+    if kind == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError(400, "`messages` must be a non-empty array", param="messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
+    elif kind == "completions":
+        if not isinstance(body.get("prompt"), str | list):
+            raise APIError(400, "`prompt` must be a string or an array", param="prompt")
+    elif kind == "responses" and not isinstance(body.get("input"), str | list):
+        raise APIError(400, "`input` must be a string or an array", param="input")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise APIError(400, "`stream_options` must be an object", param="stream_options")
+
+
+def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None) -> FastAPI:
+    gw = Gateway(cfg, predictor)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        yield
+        await gw.stop()
+
+    app = FastAPI(title="slogate", lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.exception_handler(APIError)
+    async def _api_error(_r: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_r: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(e.errors()[:3])), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_r: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse(error_body("internal error in the gateway", "internal_error"), status_code=500)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        return await gw.handle("chat", request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await gw.handle("completions", request)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> Response:
+        return await gw.handle("responses", request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate",
+                 "backends": [b.name for b in gw.backends if m in b.models]} for m in sorted(gw.groups)]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = [b.name for b in gw.backends if b.view.healthy]
+        ok = bool(healthy)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "healthy_backends": len(healthy), "backends": len(gw.backends)},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for b in gw.backends:
+            gw.metrics.inflight.labels(b.name).set(b.view.inflight)
+        for m, adm in gw.groups.items():
+            gw.metrics.queue_depth.labels(m).set(len(adm.waiting))
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

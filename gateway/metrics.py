@@ -1,0 +1,40 @@
+"""Prometheus metrics of one gateway (its own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+_TBT = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2)
+_OVH = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+L = ("model", "tier", "slo_class")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("slogate_requests_total", "Requests by outcome", [*L, "outcome"], registry=r)
+        self.token_goodput = Counter("slogate_token_goodput_total", "Tokens delivered within their SLO (JITServe token goodput)", L, registry=r)
+        self.request_goodput = Counter("slogate_request_goodput_total", "Requests that met their SLO", L, registry=r)
+        self.tokens = Counter("slogate_tokens_total", "Tokens processed", [*L, "direction"], registry=r)
+        self.tdg = Counter("slogate_tdg_total", "Token-level deadline goodput (PROSERVE TDG)", L, registry=r)
+        self.tdg_ideal = Counter("slogate_tdg_ideal_total", "TDG if every request met its SLO", L, registry=r)
+        self.ttft = Histogram("slogate_ttft_seconds", "Time to first token as the client sees it", L, buckets=_LAT, registry=r)
+        self.tbt = Histogram("slogate_tbt_seconds", "Time between tokens as the client sees it", L, buckets=_TBT, registry=r)
+        self.e2e = Histogram("slogate_e2e_seconds", "Request latency, end to end", L, buckets=_LAT, registry=r)
+        self.queue_wait = Histogram("slogate_queue_wait_seconds", "Time waiting in the gateway queue", L, buckets=_LAT, registry=r)
+        self.queue_depth = Gauge("slogate_queue_depth", "Requests waiting in the gateway queue", ["model"], registry=r)
+        self.shed = Counter("slogate_shed_total", "Requests refused by the scheduler", ["model", "reason"], registry=r)
+        self.retries = Counter("slogate_retries_total", "Upstream attempts retried on another replica", ["backend"], registry=r)
+        self.cancelled = Counter("slogate_cancelled_total", "Requests whose client disconnected", ["model"], registry=r)
+        self.inflight = Gauge("slogate_replica_inflight", "Requests in flight per replica", ["backend"], registry=r)
+        self.healthy = Gauge("slogate_replica_healthy", "1 if the replica passes health checks", ["backend"], registry=r)
+        self.budget = Gauge("slogate_replica_budget", "Concurrency budget per replica", ["backend"], registry=r)
+        self.pred_bounds = Counter("slogate_predictor_bounds_total", "First length bounds judged at completion", ["model"], registry=r)
+        self.pred_covered = Counter("slogate_predictor_covered_total", "First length bounds that covered the true length", ["model"], registry=r)
+        self.overhead = Histogram("slogate_gateway_overhead_seconds", "Gateway time before the upstream request is sent, queue wait excluded",
+                                  buckets=_OVH, registry=r)
+        self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""Server-sent events from OpenAI-compatible engines: split, inspect, and build.
+
+The gateway forwards each upstream event's bytes unchanged; it only looks inside to count
+tokens (one per content delta; the final usage chunk gives the exact count) and to drop the
+usage chunk it asked for when the client did not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class EventInfo:
+    tokens: int = 0  # generated tokens this event carries (content deltas)
+    usage_out: int | None = None  # exact completion tokens, from a usage report
+    usage_in: int | None = None
+    usage_only: bool = False  # a chunk with no choices that only reports usage
+    done: bool = False  # data: [DONE]
+    error: bool = False
+
+
+async def iter_events(chunks: AsyncIterator[bytes], max_event_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
+    """Whole SSE events (terminated by a blank line) from a byte stream, as they complete."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+        while True:
+            i = buf.find(b"\n\n")
+            if i < 0:
+                break
+            yield buf[: i + 2]
+            buf = buf[i + 2 :]
+        if len(buf) > max_event_bytes:
+            raise ValueError("an upstream event exceeds the size limit")
+    if buf.strip():
+        yield buf + b"\n\n"
+
+
+def inspect(event: bytes) -> EventInfo:
+    info = EventInfo()
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            info.done = True
+            continue
+        try:
+            d = json.loads(payload)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(d, dict):
+            _inspect_obj(d, info)
+    return info
+
+
+def _inspect_obj(d: dict[str, Any], info: EventInfo) -> None:
+    if d.get("error"):
+        info.error = True
+        return
+    typ = d.get("type")
+    if isinstance(typ, str):  # Responses API events
+        if typ == "response.output_text.delta" and d.get("delta"):
+            info.tokens += 1
+        elif typ == "response.completed":
+            u = (d.get("response") or {}).get("usage") or {}
+            info.usage_out, info.usage_in = u.get("output_tokens"), u.get("input_tokens")
+        return
+    choices = d.get("choices")
+    if isinstance(choices, list):
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            delta = c.get("delta")
+            if isinstance(delta, dict):
+                if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                    info.tokens += 1
+            elif c.get("text"):
+                info.tokens += 1
+    u = d.get("usage")
+    if isinstance(u, dict):
+        info.usage_out, info.usage_in = u.get("completion_tokens"), u.get("prompt_tokens")
+        if not choices:
+            info.usage_only = True
+
+
+def error_event(message: str, type_: str = "upstream_error", code: str | None = None) -> bytes:
+    return f"data: {json.dumps({'error': {'message': message, 'type': type_, 'param': None, 'code': code}})}\n\n".encode()
+
+
+KEEPALIVE = b": keep-alive\n\n"
