@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -323,7 +324,10 @@ class Gateway:
             self.metrics.cancelled.labels(labels[0]).inc()
             raise
         finally:
-            await resp.aclose()
+            # Starlette cancels this generator when the client leaves, and anyio cancellation is
+            # level-triggered: shield the close, or the upstream request would live on.
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
             if exact is not None and exact > counted:  # several tokens per chunk: count the rest at the end
                 now = time.monotonic()
                 for _ in range(exact - counted):

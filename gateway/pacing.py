@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+import anyio
+
 T = TypeVar("T")
 
 
@@ -73,5 +75,7 @@ async def paced(events: AsyncIterator[tuple[T, int, float]], pacer: Pacer, max_b
             yield ev
     finally:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
+        # Shielded: under anyio's level-triggered cancellation an unshielded await would return
+        # at once, leaving the reader mid-read on the upstream connection it must let go of.
+        with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError, Exception):
             await task

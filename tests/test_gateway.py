@@ -1,0 +1,243 @@
+"""End-to-end: the real openai SDK → slogate gateway → simulated engines, all over HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from servers import ServerThread
+
+from gateway.app import create_app
+from gateway.config import BackendConfig, GatewayConfig, load_config
+from predictors.online import OnlineLengthPredictor
+from sim.server import create_engine_app
+
+MODEL = "sim-model"
+
+
+def gateway_cfg(urls: list[str], **kw: Any) -> GatewayConfig:
+    budget = kw.pop("budget", 16)
+    raw = {"backends": [{"url": u, "models": [MODEL], "budget": budget, **kw.pop("backend_kw", {})} for u in urls],
+           "policies": {"frame_s": 0.05}, "health_interval_s": 0.3, **kw}
+    return GatewayConfig.model_validate(raw)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Two simulated engines and a gateway in front of them."""
+    with ExitStack() as st:
+        engines = [st.enter_context(ServerThread(create_engine_app(MODEL))) for _ in range(2)]
+        gw = st.enter_context(ServerThread(create_app(gateway_cfg([e.url for e in engines]), OnlineLengthPredictor())))
+        yield gw, engines
+
+
+def client(gw: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ------------------------------------------------------------------ the OpenAI API surface
+def test_chat_completions_responses_stream_and_not(fleet) -> None:
+    gw, _ = fleet
+    c = client(gw)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 12 and r.choices[0].message.content.count("tok") == 12
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 9
+    assert all(ch.choices for ch in chunks)  # the usage chunk the gateway asked for is not passed on
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 7
+    r2 = c.completions.create(model=MODEL, prompt="hello", max_tokens=5, extra_body={"ignore_eos": True})
+    assert r2.usage.completion_tokens == 5
+    assert sum(1 for ch in c.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True, extra_body={"ignore_eos": True})
+               if ch.choices and ch.choices[0].text) == 4
+    r3 = c.responses.create(model=MODEL, input="hello", max_output_tokens=6, extra_body={"ignore_eos": True})
+    assert r3.usage.output_tokens == 6 and r3.output_text.count("tok") == 6
+    events = [e.type for e in c.responses.create(model=MODEL, input="hello", max_output_tokens=3, stream=True, extra_body={"ignore_eos": True})]
+    assert events.count("response.output_text.delta") == 3 and events[-1] == "response.completed"
+
+
+def test_errors_have_the_openai_shape(fleet) -> None:
+    gw, _ = fleet
+    c = client(gw)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e2:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"slo": {"tbt_ms": "fast"}})
+    assert e2.value.body["param"] == "slo.tbt_ms"
+    url = f"{gw.url}/v1/chat/completions"
+    cases = [(b"{not json", 400), (b"[1, 2]", 400), (json.dumps({"model": MODEL}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "slo": {"ttft_ms": float("nan")}}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "priority": "platinum"}).encode(), 400),
+             (b"\xff\xfe\x00", 400), (b"[" * 100_000 + b"]" * 100_000, 400)]
+    for body, status in cases:
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, (body[:40], r.text)
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    big = httpx.post(url, content=b'{"model": "' + b"x" * (5 * 1024 * 1024) + b'"}')
+    assert big.status_code == 413 and "exceeds" in big.json()["error"]["message"]
+
+
+def test_client_disconnect_frees_the_slot_and_aborts_upstream(fleet) -> None:
+    gw, engines = fleet
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 5000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=10) as r:
+        lines = r.iter_lines()  # kept open: breaking out of a for loop would close the response
+        for _ in range(6):
+            next(lines)
+        assert sum(metric(e.url, "vllm:num_requests_running") for e in engines) == 1
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.0 and sum(metric(e.url, "vllm:num_requests_running") for e in engines) > 0:
+        time.sleep(0.05)
+    assert sum(metric(e.url, "vllm:num_requests_running") for e in engines) == 0
+    assert metric(gw.url, "slogate_replica_inflight") == 0
+    assert metric(gw.url, "slogate_cancelled_total") >= 1
+
+
+def test_metrics_count_goodput_per_class(fleet) -> None:
+    gw, _ = fleet
+    before = metric(gw.url, "slogate_token_goodput_total", slo_class="deadline")
+    client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10,
+                                       extra_body={"ignore_eos": True, "slo": {"deadline_ms": 60000}})
+    after = metric(gw.url, "slogate_token_goodput_total", slo_class="deadline")
+    assert after - before == pytest.approx(10 + len("x") // 4 + 1 - 1 + 1, abs=2)  # input (estimated) + 10 output tokens
+    text = httpx.get(f"{gw.url}/metrics").text
+    for name in ("slogate_ttft_seconds_bucket", "slogate_queue_depth", "slogate_replica_healthy", "slogate_gateway_overhead_seconds_count",
+                 "slogate_predictor_bounds_total"):
+        assert name in text
+
+
+def test_health(fleet) -> None:
+    gw, _ = fleet
+    r = httpx.get(f"{gw.url}/health")
+    assert r.status_code == 200 and r.json()["healthy_backends"] == 2
+
+
+# ------------------------------------------------------------------ overload
+def test_waiting_time_and_full_queue_refuse_with_retry_after() -> None:
+    with ExitStack() as st:
+        eng = st.enter_context(ServerThread(create_engine_app(MODEL)))
+        gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url], budget=1, max_queue=2, policies={"ordering": "fcfs", "placement": "least-load", "frame_s": 0.05}))))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "ignore_eos": True,
+                "slo": {"deadline_ms": 60000, "waiting_ms": 150}}
+        results: list[httpx.Response] = []
+
+        def send() -> None:
+            results.append(httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=30))
+
+        threads = [threading.Thread(target=send) for _ in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.01)
+        for t in threads:
+            t.join()
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(200) >= 1
+        refused = [r for r in results if r.status_code in (429, 503)]
+        assert len(refused) >= 3 and all(int(r.headers["retry-after"]) >= 1 for r in refused)
+        assert {r.json()["error"]["type"] for r in refused} <= {"rate_limit_error", "overloaded_error"}
+        assert 503 in codes and 429 in codes  # queue full, then not admitted within 150 ms
+
+
+# ------------------------------------------------------------------ retries and what goes upstream
+def capture_backend(status: int = 200) -> tuple[FastAPI, list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Any:
+        body = await request.json()
+        seen.append(body)
+        if status != 200:
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse({"error": {"message": "boom"}}, status_code=status)
+        return {"id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    return app, seen
+
+
+def test_connect_errors_and_5xx_retry_on_another_replica() -> None:
+    bad_app, bad_seen = capture_backend(status=500)
+    good_app, good_seen = capture_backend()
+    with ExitStack() as st:
+        bad = st.enter_context(ServerThread(bad_app))
+        good = st.enter_context(ServerThread(good_app))
+        dead = "http://127.0.0.1:9"  # nothing listens there
+        cfg = gateway_cfg([dead, bad.url, good.url], policies={"ordering": "fcfs", "placement": "round-robin", "frame_s": 0.05})
+        cfg.backends[0].models = [MODEL]
+        gw = st.enter_context(ServerThread(create_app(cfg)))
+        c = client(gw)
+        for _ in range(6):
+            assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}]).choices[0].message.content == "ok"
+        assert len(good_seen) == 6 and len(bad_seen) >= 1
+        assert metric(gw.url, "slogate_retries_total") >= 1
+
+
+def test_our_fields_are_stripped_and_priority_passed_to_priority_backends() -> None:
+    app, seen = capture_backend()
+    papp, pseen = capture_backend()
+    with ExitStack() as st:
+        plain = st.enter_context(ServerThread(app))
+        prio = st.enter_context(ServerThread(papp))
+        cfg = gateway_cfg([plain.url], tiers={"default": {}, "high": {"weight": 2}})
+        gw = st.enter_context(ServerThread(create_app(cfg)))
+        cfg2 = gateway_cfg([prio.url], backend_kw={"priority_scheduling": True}, tiers={"default": {}, "high": {"weight": 2}})
+        gw2 = st.enter_context(ServerThread(create_app(cfg2)))
+        extra = {"slo": {"ttft_ms": 500, "tbt_ms": 50}, "workflow": {"id": "w1", "stage": 0}, "deadline": 3, "priority": "high",
+                 "service_tier": "priority", "target_tbt": 0.1}
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body=extra)
+        assert not set(seen[-1]) & {"slo", "workflow", "deadline", "priority", "service_tier", "target_tbt"}
+        client(gw2).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"priority": "high"})
+        assert pseen[-1]["priority"] == -20  # heavier tier runs first on vLLM
+        client(gw2).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"priority": 3})
+        assert pseen[-1]["priority"] == 3
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=False,
+                                           extra_body={"priority": 3})
+        assert "priority" not in seen[-1]
+
+
+def test_compose_style_config_file_loads(tmp_path) -> None:
+    p = tmp_path / "gw.yaml"
+    p.write_text("backends:\n  - url: http://127.0.0.1:8001\n    budget: 8\npolicies: {ordering: edf, placement: p2c}\n"
+                 "tiers: {high: {weight: 3, slo: {ttft_ms: 800}}}\n")
+    cfg = load_config(p, env={"SLOGATE_FRAME_S": "0.1"})
+    assert cfg.backends[0].budget == 8 and cfg.policies.ordering == "edf" and cfg.policies.frame_s == 0.1
+    assert set(cfg.tiers) == {"default", "high"}
+    with pytest.raises(ValueError):
+        GatewayConfig.model_validate({"backends": [{"url": "ftp://x"}]})
+    with pytest.raises(ValueError):
+        GatewayConfig.model_validate({"backends": [], "bogus": 1})
+    assert load_config(None, env={"SLOGATE_BACKENDS": "http://a:1,http://b:2"}).backends[1].url == "http://b:2"
+    assert BackendConfig(url="http://x/").url == "http://x"
+    assert re.match(r"^slogate", "slogate_ok")
