@@ -212,13 +212,13 @@ class Gateway:
             finally:
                 await resp.aclose()
             watcher.cancel()
-            n_out = _usage_out(content)
+            n_out, n_in = _usage(content)
             t_end = time.monotonic()
             for _ in range(max(n_out, 1 if content else 0)):
                 led.on_token(t_end)
             req.generated = n_out
             adm.tokens(ticket, n_out)
-            self._settle(adm, ticket, led, labels, "completed", first_bound)
+            self._settle(adm, ticket, led, labels, "completed", first_bound, n_in)
             return Response(content, status_code=resp.status_code, media_type="application/json")
         watcher.cancel()  # from here the StreamingResponse watches the client itself
         client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -298,6 +298,7 @@ class Gateway:
         outcome = "completed"
         pacer = Pacer(req.slo.tbt_s) if self.cfg.pacing and req.kind is SLOClass.LATENCY and req.slo.tbt_s else None
         exact: int | None = None
+        exact_in: int | None = None
         counted = 0
         try:
             source = self._inspected(resp, adm, t)
@@ -307,6 +308,8 @@ class Gateway:
                 if info is not None:
                     if info.usage_out is not None:
                         exact = info.usage_out
+                    if info.usage_in:
+                        exact_in = info.usage_in
                     if info.usage_only and not client_usage:
                         continue
                     if info.tokens:
@@ -332,7 +335,7 @@ class Gateway:
                 now = time.monotonic()
                 for _ in range(exact - counted):
                     led.on_token(now)
-            self._settle(adm, t, led, labels, outcome, first_bound)
+            self._settle(adm, t, led, labels, outcome, first_bound, exact_in)
 
     async def _inspected(self, resp: httpx.Response, adm: Admission, t: Ticket) -> AsyncIterator[tuple[bytes, EventInfo | None, float]]:
         """Upstream events with what they carry, keeping the client alive while the first token is slow."""
@@ -356,11 +359,14 @@ class Gateway:
                 adm.tokens(t, info.tokens)
             yield ev, info, time.monotonic()
 
-    def _settle(self, adm: Admission, t: Ticket, led: RequestLedger, labels: tuple[str, str, str], outcome: str, first_bound: float) -> None:
+    def _settle(self, adm: Admission, t: Ticket, led: RequestLedger, labels: tuple[str, str, str], outcome: str, first_bound: float,
+                input_tokens: int | None = None) -> None:
         req = t.req
         m = self.metrics
+        adm.release(t, goodput=_token_goodput(led), completed=outcome == "completed")
+        if input_tokens:  # the engine's exact count replaces our estimate (after release: the view used the estimate)
+            req.input_tokens = input_tokens
         gp = _token_goodput(led)
-        adm.release(t, goodput=gp, completed=outcome == "completed")
         m.requests.labels(*labels, outcome).inc()
         m.tokens.labels(*labels, "input").inc(req.input_tokens)
         m.tokens.labels(*labels, "output").inc(led.tokens)
@@ -399,17 +405,18 @@ async def _triples(src: AsyncIterator[tuple[bytes, EventInfo | None, float]]) ->
         yield (ev, info), (info.tokens if info else 0), at
 
 
-def _usage_out(content: bytes) -> int:
+def _usage(content: bytes) -> tuple[int, int | None]:
+    """(output tokens, input tokens) from a non-streamed answer's usage."""
     try:
         d = json.loads(content)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return 0
+        return 0, None
     u = d.get("usage") if isinstance(d, dict) else None
     if isinstance(u, dict):
         n = u.get("completion_tokens", u.get("output_tokens"))
-        if isinstance(n, int):
-            return n
-    return 0
+        i = u.get("prompt_tokens", u.get("input_tokens"))
+        return (n if isinstance(n, int) else 0), (i if isinstance(i, int) and i > 0 else None)
+    return 0, None
 
 
 class _ClientGone(Exception):

@@ -1,0 +1,157 @@
+"""Gateway overhead at N concurrent streams: direct to the engines vs a bare pass-through proxy
+vs slogate, side by side in one run (docs/benchmarks.md).
+
+Starts N_ENGINES simulated engines (`slogate engine`), the bare proxy and `slogate serve` as
+separate processes, then for each target runs the same closed loop of CONCURRENCY streaming
+clients (httpx, each request max_tokens=TOKENS with ignore_eos) for DURATION seconds, and
+reports TTFT percentiles, the added TTFT vs direct, and streamed tokens per second.
+
+    python bench/gateway_overhead.py --concurrency 100 --duration 20 --out bench/results/gateway_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gateway.serve import free_port
+
+MODEL = "sim-model"
+
+
+def spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_up(url: str, timeout: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+async def one(client: httpx.AsyncClient, url: str, tokens: int, extra: dict) -> tuple[float, int, float]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "benchmark prompt " * 8}], "max_tokens": tokens,
+            "ignore_eos": True, "stream": True, **extra}
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"content":"tok' in line.replace(" ", ""):
+                n += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    return ttft or float("nan"), n, time.perf_counter() - t0
+
+
+async def closed_loop(url: str, concurrency: int, duration: float, tokens: int, extra: dict) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 10, max_keepalive_connections=concurrency + 10)
+    ttfts: list[float] = []
+    total = 0
+    errors = 0
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        await one(client, url, 4, extra)  # warm the connections and the engines
+        t_end = time.perf_counter() + duration
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            nonlocal total, errors
+            while time.perf_counter() < t_end:
+                try:
+                    ttft, n, _ = await one(client, url, tokens, extra)
+                    ttfts.append(ttft)
+                    total += n
+                except httpx.HTTPError:
+                    errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    a = np.asarray(ttfts) * 1e3
+    return {"requests": len(ttfts), "errors": errors, "ttft_p50_ms": round(float(np.percentile(a, 50)), 2),
+            "ttft_p99_ms": round(float(np.percentile(a, 99)), 2), "tokens_per_s": round(total / wall, 1), "wall_s": round(wall, 1)}
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", type=int, default=100)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        eng_urls = []
+        for _ in range(a.engines):
+            p = free_port()
+            procs.append(spawn(["slogate", "engine", "--port", str(p), "--model", MODEL, "--max-num-seqs", "256"]))
+            eng_urls.append(f"http://127.0.0.1:{p}")
+        for u in eng_urls:
+            wait_up(u + "/health")
+        pp = free_port()
+        procs.append(spawn([sys.executable, str(Path(__file__).parent / "passthrough.py"), "--port", str(pp),
+                            *[x for u in eng_urls for x in ("--backend", u)]]))
+        cfg = Path(tempfile.mkdtemp()) / "gw.yaml"
+        cfg.write_text("pacing: false\nbackends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: 256}}\n" for u in eng_urls))
+        gp = free_port()
+        gw = spawn(["slogate", "serve", "--config", str(cfg), "--port", str(gp), "--log-level", "warning"])
+        procs.append(gw)
+        wait_up(f"http://127.0.0.1:{pp}/v1/chat/completions")
+        wait_up(f"http://127.0.0.1:{gp}/health")
+        targets = {"direct": (f"{eng_urls[0]}/v1/chat/completions", {}),
+                   "passthrough": (f"http://127.0.0.1:{pp}/v1/chat/completions", {}),
+                   "slogate": (f"http://127.0.0.1:{gp}/v1/chat/completions", {})}
+        runs: dict[str, list[dict]] = {k: [] for k in targets}
+        for rep in range(a.repeats):
+            for name, (url, extra) in targets.items():
+                c0 = cpu_seconds(gw.pid)
+                r = asyncio.run(closed_loop(url, a.concurrency, a.duration, a.tokens, extra))
+                if name == "slogate":
+                    r["gateway_cpu_s"] = round(cpu_seconds(gw.pid) - c0, 2)
+                runs[name].append(r)
+                print(f"rep {rep} {name:12s} {r}", flush=True)
+        med = {k: {m: float(np.median([r[m] for r in v])) for m in ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")} for k, v in runs.items()}
+        summary = {
+            "added_ttft_p50_ms": round(med["slogate"]["ttft_p50_ms"] - med["direct"]["ttft_p50_ms"], 2),
+            "added_ttft_p99_ms": round(med["slogate"]["ttft_p99_ms"] - med["direct"]["ttft_p99_ms"], 2),
+            "passthrough_added_ttft_p50_ms": round(med["passthrough"]["ttft_p50_ms"] - med["direct"]["ttft_p50_ms"], 2),
+            "throughput_vs_passthrough": round(med["slogate"]["tokens_per_s"] / med["passthrough"]["tokens_per_s"], 3),
+        }
+        print(json.dumps(summary, indent=1))
+        if a.out:
+            a.out.write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "runs": runs, "median": med, "summary": summary}, indent=1))
+    finally:
+        for p in procs:
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    main()
