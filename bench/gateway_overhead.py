@@ -62,13 +62,16 @@ async def one(client: httpx.AsyncClient, url: str, tokens: int, extra: dict) -> 
     return ttft or float("nan"), n, time.perf_counter() - t0
 
 
-async def closed_loop(url: str, concurrency: int, duration: float, tokens: int, extra: dict) -> dict:
+async def closed_loop(urls: str | list[str], concurrency: int, duration: float, tokens: int, extra: dict) -> dict:
+    """`concurrency` clients, each sending one streaming request after another (round-robin over `urls`)."""
+    pool = [urls] if isinstance(urls, str) else urls
     limits = httpx.Limits(max_connections=concurrency + 10, max_keepalive_connections=concurrency + 10)
     ttfts: list[float] = []
     total = 0
     errors = 0
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        await one(client, url, 4, extra)  # warm the connections and the engines
+        await one(client, pool[0], 4, extra)  # warm the connections and the engines
+        rr = __import__("itertools").cycle(pool)
         t_end = time.perf_counter() + duration
         t0 = time.perf_counter()
 
@@ -76,7 +79,7 @@ async def closed_loop(url: str, concurrency: int, duration: float, tokens: int, 
             nonlocal total, errors
             while time.perf_counter() < t_end:
                 try:
-                    ttft, n, _ = await one(client, url, tokens, extra)
+                    ttft, n, _ = await one(client, next(rr), tokens, extra)
                     ttfts.append(ttft)
                     total += n
                 except httpx.HTTPError:
@@ -102,6 +105,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--time-scale", type=float, default=3.0, help="engine step-time multiplier (keeps 2 cores from saturating)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     procs: list[subprocess.Popen[bytes]] = []
@@ -109,13 +113,14 @@ def main() -> None:
         eng_urls = []
         for _ in range(a.engines):
             p = free_port()
-            procs.append(spawn(["slogate", "engine", "--port", str(p), "--model", MODEL, "--max-num-seqs", "256"]))
+            procs.append(spawn(["slogate", "engine", "--port", str(p), "--model", MODEL, "--max-num-seqs", "256", "--time-scale", str(a.time_scale)]))
             eng_urls.append(f"http://127.0.0.1:{p}")
         for u in eng_urls:
             wait_up(u + "/health")
         pp = free_port()
-        procs.append(spawn([sys.executable, str(Path(__file__).parent / "passthrough.py"), "--port", str(pp),
-                            *[x for u in eng_urls for x in ("--backend", u)]]))
+        pt = spawn([sys.executable, str(Path(__file__).parent / "passthrough.py"), "--port", str(pp),
+                    *[x for u in eng_urls for x in ("--backend", u)]])
+        procs.append(pt)
         cfg = Path(tempfile.mkdtemp()) / "gw.yaml"
         cfg.write_text("pacing: false\nbackends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: 256}}\n" for u in eng_urls))
         gp = free_port()
@@ -123,16 +128,18 @@ def main() -> None:
         procs.append(gw)
         wait_up(f"http://127.0.0.1:{pp}/v1/chat/completions")
         wait_up(f"http://127.0.0.1:{gp}/health")
-        targets = {"direct": (f"{eng_urls[0]}/v1/chat/completions", {}),
+        targets = {"direct": ([f"{u}/v1/chat/completions" for u in eng_urls], {}),
                    "passthrough": (f"http://127.0.0.1:{pp}/v1/chat/completions", {}),
                    "slogate": (f"http://127.0.0.1:{gp}/v1/chat/completions", {})}
         runs: dict[str, list[dict]] = {k: [] for k in targets}
         for rep in range(a.repeats):
             for name, (url, extra) in targets.items():
-                c0 = cpu_seconds(gw.pid)
+                proxy = {"slogate": gw, "passthrough": pt}.get(name)
+                c0 = cpu_seconds(proxy.pid) if proxy else 0.0
                 r = asyncio.run(closed_loop(url, a.concurrency, a.duration, a.tokens, extra))
-                if name == "slogate":
-                    r["gateway_cpu_s"] = round(cpu_seconds(gw.pid) - c0, 2)
+                if proxy:
+                    r["proxy_cpu_s"] = round(cpu_seconds(proxy.pid) - c0, 2)
+                    r["proxy_cpu_ms_per_request"] = round(r["proxy_cpu_s"] / max(r["requests"], 1) * 1e3, 2)
                 runs[name].append(r)
                 print(f"rep {rep} {name:12s} {r}", flush=True)
         med = {k: {m: float(np.median([r[m] for r in v])) for m in ("ttft_p50_ms", "ttft_p99_ms", "tokens_per_s")} for k, v in runs.items()}

@@ -63,6 +63,7 @@ class Admission:
         self.decisions = 0
         self.decision_s = 0.0
         self.on_refused: Callable[[Ticket, str], None] | None = None
+        self.on_decision: Callable[[float], None] | None = None
 
     def new_rid(self) -> int:
         return next(self._ids)
@@ -198,7 +199,10 @@ class Admission:
                 t.fut.set_result(rid)
             # d.preempt: live preemption (abort and requeue) is not done by the gateway yet.
         self.decisions += 1
-        self.decision_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.decision_s += dt
+        if self.on_decision is not None:
+            self.on_decision(dt)
 
     def _refuse(self, t: Ticket, reason: str) -> None:
         self.waiting.pop(t.req.rid, None)

@@ -82,6 +82,7 @@ class OnlineLengthPredictor:
         self.seed = seed
         self.stats = OnlineStats()
         self._since_fit = 0
+        self._observed = 0
         self._empirical: GlobalQuantile | None = None
         self._executor = executor
         self._pending: Future[tuple[LengthModel, dict[str, float]]] | None = None
@@ -117,7 +118,7 @@ class OnlineLengthPredictor:
 
     def _cold(self, gen: np.ndarray, mts: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray]:
         if len(self.lengths) >= self.min_history:
-            if self._empirical is None:
+            if self._empirical is None or self._observed < 64:
                 self._empirical = GlobalQuantile(list(self.lengths), self.q)
             bound = np.asarray([self._empirical.bound(int(g)) for g in gen])
         else:
@@ -134,7 +135,9 @@ class OnlineLengthPredictor:
             return
         self.buffer.append((p, int(true_len)))
         self.lengths.append(int(true_len))
-        self._empirical = None
+        self._observed += 1
+        if self._observed % 64 == 0:
+            self._empirical = None  # refreshed every 64 observations: re-sorting per request would cost ms at 20k
         self._since_fit += 1
         if self._since_fit >= self.retrain_every and len(self.buffer) >= self.min_train_rows:
             self.retrain()
