@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--time-scale", type=float, default=3.0, help="engine step-time multiplier (keeps 2 cores from saturating)")
+    ap.add_argument("--fixed-ttft-ms", type=float, help="fixed-latency engines: TTFT independent of load, so a proxy's addition shows")
+    ap.add_argument("--fixed-itl-ms", type=float, default=50.0)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     procs: list[subprocess.Popen[bytes]] = []
@@ -113,7 +115,9 @@ def main() -> None:
         eng_urls = []
         for _ in range(a.engines):
             p = free_port()
-            procs.append(spawn(["slogate", "engine", "--port", str(p), "--model", MODEL, "--max-num-seqs", "256", "--time-scale", str(a.time_scale)]))
+            mode = (["--fixed-ttft-ms", str(a.fixed_ttft_ms), "--fixed-itl-ms", str(a.fixed_itl_ms)] if a.fixed_ttft_ms is not None
+                    else ["--max-num-seqs", "256", "--time-scale", str(a.time_scale)])
+            procs.append(spawn(["slogate", "engine", "--port", str(p), "--model", MODEL, *mode]))
             eng_urls.append(f"http://127.0.0.1:{p}")
         for u in eng_urls:
             wait_up(u + "/health")

@@ -121,6 +121,57 @@ class RealtimeEngine:
                         self.finished += 1
 
 
+class FixedLatencyEngine:
+    """Each request on its own timer: first token after `ttft_s`, then one every `itl_s`,
+    whatever the load — the yardstick for measuring what a proxy adds (like guidellm's mock
+    server). Same interface as RealtimeEngine."""
+
+    def __init__(self, ttft_s: float, itl_s: float, priority_scheduling: bool = False) -> None:
+        self.ttft_s, self.itl_s = ttft_s, itl_s
+        self.priority_scheduling = priority_scheduling
+        self._ids = itertools.count()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self.eng = EngineSim(0, BatchLatencyModel(PROFILES[DEFAULT_PROFILE]))  # for the preemption counter only
+        self.aborted = 0
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for t in list(self._tasks.values()):
+            t.cancel()
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    waiting = 0
+    kv_usage = 0.0
+
+    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0) -> tuple[int, asyncio.Queue[int | None]]:
+        rid = next(self._ids)
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+
+        async def emit() -> None:
+            loop = asyncio.get_running_loop()
+            t = loop.time() + self.ttft_s
+            for i in range(1, max(out_tokens, 1) + 1):
+                await asyncio.sleep(max(t - loop.time(), 0))
+                q.put_nowait(i)
+                t += self.itl_s
+            q.put_nowait(None)
+            self._tasks.pop(rid, None)
+
+        self._tasks[rid] = asyncio.get_running_loop().create_task(emit())
+        return rid, q
+
+    def abort(self, rid: int) -> None:
+        t = self._tasks.pop(rid, None)
+        if t is not None and not t.done():
+            t.cancel()
+            self.aborted += 1
+
+
 def _prompt_text(body: dict[str, Any]) -> str:
     if isinstance(body.get("messages"), list):
         parts = []
@@ -148,12 +199,16 @@ def _err(status: int, message: str, type_: str = "invalid_request_error", param:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}, "object": "error"}, status_code=status)
 
 
-def create_engine_app(model: str = "sim-model", **engine_kw: Any) -> FastAPI:
-    state: dict[str, RealtimeEngine] = {}
+def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0, **engine_kw: Any) -> FastAPI:
+    """`fixed_ttft_ms` set: a fixed-latency engine (FixedLatencyEngine) instead of the batch model."""
+    state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        state["engine"] = RealtimeEngine(**engine_kw)
+        if fixed_ttft_ms is not None:
+            state["engine"] = FixedLatencyEngine(fixed_ttft_ms / 1000, fixed_itl_ms / 1000, engine_kw.get("priority_scheduling", False))
+        else:
+            state["engine"] = RealtimeEngine(**engine_kw)
         state["engine"].start()
         yield
         await state["engine"].stop()

@@ -299,11 +299,16 @@ def engine(
     max_num_seqs: int = 64,
     time_scale: Annotated[float, typer.Option(help="> 1 slows every step down by this factor")] = 1.0,
     priority_scheduling: bool = False,
+    fixed_ttft_ms: Annotated[float | None, typer.Option(help="fixed-latency mode: first token after this long, whatever the load")] = None,
+    fixed_itl_ms: Annotated[float, typer.Option(help="fixed-latency mode: time between tokens")] = 20.0,
 ) -> None:
     """A simulated vLLM engine (OpenAI API, vLLM /metrics) whose token timing follows the batch latency model."""
     import uvicorn
 
     from sim.server import create_engine_app
 
-    uvicorn.run(create_engine_app(model, max_num_seqs=max_num_seqs, time_scale=time_scale, priority_scheduling=priority_scheduling),
+    kw: dict[str, Any] = {"priority_scheduling": priority_scheduling}
+    if fixed_ttft_ms is None:
+        kw.update(max_num_seqs=max_num_seqs, time_scale=time_scale)
+    uvicorn.run(create_engine_app(model, fixed_ttft_ms=fixed_ttft_ms, fixed_itl_ms=fixed_itl_ms, **kw),
                 host=host, port=port, log_level="warning")
