@@ -62,7 +62,7 @@ async def one(client: httpx.AsyncClient, url: str, tokens: int, extra: dict) -> 
     return ttft or float("nan"), n, time.perf_counter() - t0
 
 
-async def closed_loop(urls: str | list[str], concurrency: int, duration: float, tokens: int, extra: dict) -> dict:
+async def closed_loop(urls: str | list[str], concurrency: int, duration: float, tokens: int, extra: dict, stagger: float = 0.0) -> dict:
     """`concurrency` clients, each sending one streaming request after another (round-robin over `urls`)."""
     pool = [urls] if isinstance(urls, str) else urls
     limits = httpx.Limits(max_connections=concurrency + 10, max_keepalive_connections=concurrency + 10)
@@ -75,8 +75,11 @@ async def closed_loop(urls: str | list[str], concurrency: int, duration: float, 
         t_end = time.perf_counter() + duration
         t0 = time.perf_counter()
 
-        async def worker() -> None:
+        async def worker(k: int) -> None:
             nonlocal total, errors
+            # Stagger the start over one request's duration: a closed loop started in lockstep sends
+            # its requests in synchronized waves, and the TTFT then measures the wave, not the proxy.
+            await asyncio.sleep(stagger * k / concurrency)
             while time.perf_counter() < t_end:
                 try:
                     ttft, n, _ = await one(client, next(rr), tokens, extra)
@@ -85,7 +88,7 @@ async def closed_loop(urls: str | list[str], concurrency: int, duration: float, 
                 except httpx.HTTPError:
                     errors += 1
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
         wall = time.perf_counter() - t0
     a = np.asarray(ttfts) * 1e3
     return {"requests": len(ttfts), "errors": errors, "ttft_p50_ms": round(float(np.percentile(a, 50)), 2),
@@ -140,7 +143,8 @@ def main() -> None:
             for name, (url, extra) in targets.items():
                 proxy = {"slogate": gw, "passthrough": pt}.get(name)
                 c0 = cpu_seconds(proxy.pid) if proxy else 0.0
-                r = asyncio.run(closed_loop(url, a.concurrency, a.duration, a.tokens, extra))
+                stagger = (a.fixed_ttft_ms or 0) / 1e3 + a.tokens * a.fixed_itl_ms / 1e3 if a.fixed_ttft_ms is not None else 2.0
+                r = asyncio.run(closed_loop(url, a.concurrency, a.duration, a.tokens, extra, stagger))
                 if proxy:
                     r["proxy_cpu_s"] = round(cpu_seconds(proxy.pid) - c0, 2)
                     r["proxy_cpu_ms_per_request"] = round(r["proxy_cpu_s"] / max(r["requests"], 1) * 1e3, 2)

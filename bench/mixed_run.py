@@ -143,7 +143,9 @@ def main() -> None:
         outcomes = Counter("completed" if r["ok"] else f"error {r.get('status')}" for r in recs)
         unclear = [r for r in recs if not r["ok"] and not r.get("error")]
         tot_s, tot_c = sum(server.values()), sum(client.values())
+        errors = Counter(f"{r.get('status')}: {str(r.get('error'))[:120]}" for r in recs if not r["ok"])
         summary = {"requests": len(recs), "wall_s": round(wall, 1), "outcomes": dict(outcomes), "unclear_errors": len(unclear),
+                   "errors": dict(errors.most_common(5)),
                    "server_goodput": {k: round(v) for k, v in server.items()}, "client_goodput": {k: round(v) for k, v in client.items()},
                    "total_server": round(tot_s), "total_client": round(tot_c),
                    "relative_difference": round(abs(tot_s - tot_c) / max(tot_c, 1.0), 4)}

@@ -361,10 +361,17 @@ class Gateway:
                 continue
             info = inspect(ev)
             if info.tokens:
+                now = time.monotonic()
+                view = self.backends[t.replica].view  # type: ignore[index]
                 if t.req.generated == 0:
                     adm.first_token(t)
                     first = False
-                    t.req.first_token_at = time.monotonic()
+                    t.req.first_token_at = now
+                elif t.req.last_token_at is not None and view.n_decode:
+                    # Measured decode speed corrects the replica's latency model online (β).
+                    n = view.n_decode
+                    view.model.observe((now - t.req.last_token_at) / info.tokens, view.model.raw_decode_step_time(n, view.decode_kv // n * n))
+                t.req.last_token_at = now
                 t.req.generated += info.tokens
                 adm.tokens(t, info.tokens)
             yield ev, info, time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -225,6 +226,40 @@ def test_our_fields_are_stripped_and_priority_passed_to_priority_backends() -> N
         client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=False,
                                            extra_body={"priority": 3})
         assert "priority" not in seen[-1]
+
+
+def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() -> None:
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> StreamingResponse:
+        async def gen():
+            for i in range(3):
+                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                         "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                await asyncio.sleep(0.05)  # separate reads: the bytes before the crash reach the gateway
+            raise RuntimeError("engine crashed")  # the connection drops mid-stream
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    with ExitStack() as st:
+        eng = st.enter_context(ServerThread(app))
+        gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url]))))
+        got = []
+        with pytest.raises(openai.APIError, match="upstream stream failed"):
+            for ch in client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True,
+                                                         extra_body={"slo": {"deadline_ms": 5000}}):
+                got.append(ch.choices[0].delta.content)
+        assert got == ["t0", "t1", "t2"]
+        assert metric(gw.url, "slogate_requests_total", outcome="failed") == 1
+        assert metric(gw.url, "slogate_replica_inflight") == 0
 
 
 def test_compose_style_config_file_loads(tmp_path) -> None:
