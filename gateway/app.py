@@ -351,30 +351,44 @@ class Gateway:
         """Upstream events with what they carry, keeping the client alive while the first token is slow."""
         events = iter_events(resp.content.iter_any()).__aiter__()
         first = True
-        while True:
-            try:
-                ev = await asyncio.wait_for(events.__anext__(), self.cfg.keepalive_s) if first else await events.__anext__()
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                yield KEEPALIVE, None, time.monotonic()
-                continue
-            info = inspect(ev)
-            if info.tokens:
-                now = time.monotonic()
-                view = self.backends[t.replica].view  # type: ignore[index]
-                if t.req.generated == 0:
-                    adm.first_token(t)
-                    first = False
-                    t.req.first_token_at = now
-                elif t.req.last_token_at is not None and view.n_decode:
-                    # Measured decode speed corrects the replica's latency model online (β).
-                    n = view.n_decode
-                    view.model.observe((now - t.req.last_token_at) / info.tokens, view.model.raw_decode_step_time(n, view.decode_kv // n * n))
-                t.req.last_token_at = now
-                t.req.generated += info.tokens
-                adm.tokens(t, info.tokens)
-            yield ev, info, time.monotonic()
+        pending: asyncio.Future[bytes] | None = None
+        try:
+            while True:
+                try:
+                    if first:
+                        # Until the first token, wait in slices and send keep-alive comments; the read
+                        # itself runs on in its own task (cancelling it would end the generator).
+                        if pending is None:
+                            pending = asyncio.ensure_future(events.__anext__())
+                        done, _ = await asyncio.wait({pending}, timeout=self.cfg.keepalive_s)
+                        if not done:
+                            yield KEEPALIVE, None, time.monotonic()
+                            continue
+                        ev, pending = pending.result(), None
+                    else:
+                        ev = await events.__anext__()
+                except StopAsyncIteration:
+                    return
+                info = inspect(ev)
+                if info.tokens:
+                    now = time.monotonic()
+                    view = self.backends[t.replica].view  # type: ignore[index]
+                    if t.req.generated == 0:
+                        adm.first_token(t)
+                        first = False
+                        t.req.first_token_at = now
+                    elif t.req.last_token_at is not None and view.n_decode:
+                        # Measured decode speed corrects the replica's latency model online (β).
+                        n = view.n_decode
+                        view.model.observe((now - t.req.last_token_at) / info.tokens,
+                                           view.model.raw_decode_step_time(n, view.decode_kv // n * n))
+                    t.req.last_token_at = now
+                    t.req.generated += info.tokens
+                    adm.tokens(t, info.tokens)
+                yield ev, info, time.monotonic()
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     def _settle(self, adm: Admission, t: Ticket, led: RequestLedger, labels: tuple[str, str, str], outcome: str, first_bound: float,
                 input_tokens: int | None = None) -> None:

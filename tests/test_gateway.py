@@ -262,6 +262,40 @@ def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() ->
         assert metric(gw.url, "slogate_replica_inflight") == 0
 
 
+def test_keepalive_comments_while_the_first_token_is_slow() -> None:
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> StreamingResponse:
+        async def gen():
+            await asyncio.sleep(0.7)  # a slow prefill
+            for i in range(3):
+                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                         "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    with ExitStack() as st:
+        eng = st.enter_context(ServerThread(app))
+        gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url], keepalive_s=0.2))))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True, "slo": {"deadline_ms": 5000}}
+        with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=10) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert lines.count(": keep-alive") >= 2
+        assert [ln for ln in lines if ln.startswith("data: {")].__len__() == 3 and lines[-1] == "data: [DONE]"
+        got = [ch.choices[0].delta.content for ch in client(gw).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, extra_body={"slo": {"deadline_ms": 5000}})]
+        assert got == ["t0", "t1", "t2"]  # the SDK ignores the comments
+
+
 def test_compose_style_config_file_loads(tmp_path) -> None:
     p = tmp_path / "gw.yaml"
     p.write_text("backends:\n  - url: http://127.0.0.1:8001\n    budget: 8\npolicies: {ordering: edf, placement: p2c}\n"
