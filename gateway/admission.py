@@ -110,7 +110,10 @@ class Admission:
             t.track = self.predictor.track(prompt)
             self._to_predict[req.rid] = t
         self.waiting[req.rid] = t
-        self._schedule_soon()
+        if len(self.waiting) == 1 and self._soon is None and any(v.free for v in self.views):
+            self._schedule()  # an empty queue and room: decide now, no trip through the event loop
+        else:
+            self._schedule_soon()  # a queue: this iteration's arrivals are decided together
         try:
             t.replica = await t.fut
         except asyncio.CancelledError:

@@ -36,7 +36,7 @@ from gateway.errors import APIError, error_body
 from gateway.metrics import Metrics
 from gateway.pacing import Pacer, paced
 from gateway.slo import Resolved, WorkflowRegistry, resolve
-from gateway.sse import KEEPALIVE, EventInfo, error_event, inspect, iter_events
+from gateway.sse import KEEPALIVE, EventInfo, EventSplitter, error_event, inspect
 from predictors.features import prompt_from_body
 from predictors.online import OnlineLengthPredictor
 from router.goodput import RequestLedger
@@ -168,68 +168,80 @@ class Gateway:
                           max_tokens=prompt.max_tokens, workflow=res.workflow, stage=res.stage)
         labels = (model, res.tier.name, res.slo.kind.value)
         stream = bool(body.get("stream"))
-        watcher = asyncio.get_running_loop().create_task(_disconnected(request))
         overhead = time.perf_counter() - t_recv
+        # A client that leaves while its request waits (queue, upstream headers, a non-streamed
+        # answer) cancels this handler: no per-step tasks on the hot path, one watcher.
+        handler = asyncio.current_task()
+        gone = False
+
+        def on_disconnect(w: asyncio.Task[None]) -> None:
+            nonlocal gone
+            if not w.cancelled() and w.exception() is None and handler is not None:
+                gone = True
+                handler.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(_disconnected(request))
+        watcher.add_done_callback(on_disconnect)
+        st: dict[str, Any] = {}  # what to undo if the client leaves: the claimed ticket, the open response
         try:
-            ticket = await _race(adm.acquire(req, res.waiting_s, prompt), watcher)
-        except APIError as e:
-            outcome = "refused_429" if e.status == 429 else "refused_503" if e.status == 503 else "error"
-            self.metrics.requests.labels(*labels, outcome).inc()
-            raise
-        except _ClientGone:
-            self.metrics.cancelled.labels(model).inc()
-            self.metrics.requests.labels(*labels, "cancelled").inc()
-            return Response(status_code=499)
-        self.metrics.queue_wait.labels(*labels).observe(time.monotonic() - now)
-        first_bound = req.len_bound
-        try:
-            resp, ticket = await _race(self._open(adm, ticket, kind, res, stream, labels), watcher)
-        except _ClientGone:
-            self.metrics.cancelled.labels(model).inc()
-            self.metrics.requests.labels(*labels, "cancelled").inc()
-            return Response(status_code=499)
-        except APIError:
-            watcher.cancel()
-            self.metrics.requests.labels(*labels, "failed").inc()
-            raise
-        self.metrics.overhead.observe(overhead)  # parse, validate, resolve: queue and upstream time excluded
-        if resp.status >= 400:  # the engine refused it (4xx): pass its answer through
             try:
-                content = await resp.read()
-            except (aiohttp.ClientError, TimeoutError):
-                content = json.dumps(error_body(f"upstream answered {resp.status}")).encode()
-            resp.release()
-            watcher.cancel()
-            adm.release(ticket, completed=False)
-            self.metrics.requests.labels(*labels, "upstream_4xx").inc()
-            return Response(content, status_code=resp.status, media_type=resp.headers.get("content-type", "application/json"))
-        led = RequestLedger(req)
-        if not stream:
+                ticket = st["ticket"] = await adm.acquire(req, res.waiting_s, prompt)
+            except APIError as e:
+                outcome = "refused_429" if e.status == 429 else "refused_503" if e.status == 503 else "error"
+                self.metrics.requests.labels(*labels, outcome).inc()
+                raise
+            self.metrics.queue_wait.labels(*labels).observe(time.monotonic() - now)
+            first_bound = req.len_bound
             try:
-                content = await _race(resp.read(), watcher)
-            except _ClientGone:
-                resp.close()  # drops the connection: the engine aborts the request
-                adm.release(ticket, completed=False)
-                self.metrics.cancelled.labels(model).inc()
-                self.metrics.requests.labels(*labels, "cancelled").inc()
-                return Response(status_code=499)
-            except (aiohttp.ClientError, TimeoutError) as e:
-                watcher.cancel()
-                resp.close()
-                adm.release(ticket, completed=False)
+                resp, ticket = await self._open(adm, ticket, kind, res, stream, labels, st)
+            except APIError:
                 self.metrics.requests.labels(*labels, "failed").inc()
-                raise APIError(502, f"upstream failed while answering: {e!s}") from None
-            resp.release()
-            watcher.cancel()
-            n_out, n_in = _usage(content)
-            t_end = time.monotonic()
-            for _ in range(max(n_out, 1 if content else 0)):
-                led.on_token(t_end)
-            req.generated = n_out
-            adm.tokens(ticket, n_out)
-            self._settle(adm, ticket, led, labels, "completed", first_bound, n_in)
-            return Response(content, status_code=resp.status, media_type="application/json")
-        watcher.cancel()  # from here the StreamingResponse watches the client itself
+                raise
+            self.metrics.overhead.observe(overhead)  # parse, validate, resolve: queue and upstream time excluded
+            if resp.status >= 400:  # the engine refused it (4xx): pass its answer through
+                try:
+                    content = await resp.read()
+                except (aiohttp.ClientError, TimeoutError):
+                    content = json.dumps(error_body(f"upstream answered {resp.status}")).encode()
+                resp.release()
+                st.clear()
+                adm.release(ticket, completed=False)
+                self.metrics.requests.labels(*labels, "upstream_4xx").inc()
+                return Response(content, status_code=resp.status, media_type=resp.headers.get("content-type", "application/json"))
+            led = RequestLedger(req)
+            if not stream:
+                try:
+                    content = await resp.read()
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    resp.close()
+                    st.clear()
+                    adm.release(ticket, completed=False)
+                    self.metrics.requests.labels(*labels, "failed").inc()
+                    raise APIError(502, f"upstream failed while answering: {e!s}") from None
+                resp.release()
+                st.clear()
+                n_out, n_in = _usage(content)
+                t_end = time.monotonic()
+                for _ in range(max(n_out, 1 if content else 0)):
+                    led.on_token(t_end)
+                req.generated = n_out
+                adm.tokens(ticket, n_out)
+                self._settle(adm, ticket, led, labels, "completed", first_bound, n_in)
+                return Response(content, status_code=resp.status, media_type="application/json")
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            handler.uncancel()  # type: ignore[union-attr]
+            if "resp" in st:
+                st["resp"].close()  # drops the connection: the engine aborts the request
+            if "ticket" in st:
+                adm.release(st["ticket"], completed=False)
+            self.metrics.cancelled.labels(model).inc()
+            self.metrics.requests.labels(*labels, "cancelled").inc()
+            return Response(status_code=499)
+        finally:
+            watcher.remove_done_callback(on_disconnect)
+            watcher.cancel()  # from here the StreamingResponse watches the client itself
         client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         gen = self._relay(adm, ticket, resp, led, labels, client_usage, first_bound)
         return StreamingResponse(gen, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -272,7 +284,9 @@ class Gateway:
         return body
 
     async def _open(self, adm: Admission, ticket: Ticket, kind: str, res: Resolved, stream: bool,
-                    labels: tuple[str, str, str]) -> tuple[aiohttp.ClientResponse, Ticket]:
+                    labels: tuple[str, str, str], st: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Ticket]:
+        """Send upstream, retrying elsewhere on a connect error or 5xx; keeps `st` (the ticket
+        holding a slot, the open response) current for the caller's cleanup."""
         assert self.client is not None
         attempt = 0
         while True:
@@ -285,19 +299,21 @@ class Gateway:
                     text = (await resp.read())[:200].decode("utf-8", "replace")
                     resp.release()
                     raise _Retryable(f"{b.name} answered {resp.status}: {text}")
+                st["resp"] = resp
                 return resp, ticket
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, _Retryable) as e:
                 if isinstance(e, aiohttp.ClientConnectorError | TimeoutError):
                     b.view.healthy = False  # until the health check sees it answer again
                     self.metrics.healthy.labels(b.name).set(0)
                 adm.release(ticket, completed=False)
+                st.pop("ticket", None)
                 attempt += 1
                 self.metrics.retries.labels(b.name).inc()
                 log.warning("upstream attempt %d on %s failed: %s", attempt, b.name, e)
                 if attempt > self.cfg.retries:
                     raise APIError(502, f"all upstream attempts failed; last: {e!s}") from None
                 ticket.req.dispatched_at = None
-                ticket = await adm.acquire(ticket.req, max(res.waiting_s, 1.0))
+                ticket = st["ticket"] = await adm.acquire(ticket.req, max(res.waiting_s, 1.0))
 
     async def _relay(self, adm: Admission, t: Ticket, resp: aiohttp.ClientResponse, led: RequestLedger, labels: tuple[str, str, str],
                      client_usage: bool, first_bound: float) -> AsyncIterator[bytes]:
@@ -349,26 +365,26 @@ class Gateway:
 
     async def _inspected(self, resp: aiohttp.ClientResponse, adm: Admission, t: Ticket) -> AsyncIterator[tuple[bytes, EventInfo | None, float]]:
         """Upstream events with what they carry, keeping the client alive while the first token is slow."""
-        events = iter_events(resp.content.iter_any()).__aiter__()
+        sp = EventSplitter()
         first = True
-        pending: asyncio.Future[bytes] | None = None
-        try:
-            while True:
+        done = False
+        while not done:
+            if first:
+                # Until the first token, read in slices and send keep-alive comments. `readany` is
+                # safe to cancel (the bytes stay buffered), and `asyncio.timeout` spawns no task.
                 try:
-                    if first:
-                        # Until the first token, wait in slices and send keep-alive comments; the read
-                        # itself runs on in its own task (cancelling it would end the generator).
-                        if pending is None:
-                            pending = asyncio.ensure_future(events.__anext__())
-                        done, _ = await asyncio.wait({pending}, timeout=self.cfg.keepalive_s)
-                        if not done:
-                            yield KEEPALIVE, None, time.monotonic()
-                            continue
-                        ev, pending = pending.result(), None
-                    else:
-                        ev = await events.__anext__()
-                except StopAsyncIteration:
-                    return
+                    async with asyncio.timeout(self.cfg.keepalive_s):
+                        chunk = await resp.content.readany()
+                except TimeoutError:
+                    yield KEEPALIVE, None, time.monotonic()
+                    continue
+            else:
+                chunk = await resp.content.readany()
+            if chunk:
+                events = sp.feed(chunk)
+            else:
+                events, done = sp.rest(), True
+            for ev in events:
                 info = inspect(ev)
                 if info.tokens:
                     now = time.monotonic()
@@ -386,9 +402,6 @@ class Gateway:
                     t.req.generated += info.tokens
                     adm.tokens(t, info.tokens)
                 yield ev, info, time.monotonic()
-        finally:
-            if pending is not None:
-                pending.cancel()
 
     def _settle(self, adm: Admission, t: Ticket, led: RequestLedger, labels: tuple[str, str, str], outcome: str, first_bound: float,
                 input_tokens: int | None = None) -> None:
@@ -450,33 +463,12 @@ def _usage(content: bytes) -> tuple[int, int | None]:
     return 0, None
 
 
-class _ClientGone(Exception):
-    pass
-
-
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read already)."""
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
-
-
-async def _race(coro: Any, watcher: asyncio.Task[None]) -> Any:
-    """Await `coro` unless the client disconnects first (then cancel it and raise _ClientGone)."""
-    task = asyncio.ensure_future(coro)
-    if watcher.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise _ClientGone
-    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise _ClientGone
 
 
 def _validate(kind: str, body: dict[str, Any]) -> None:

@@ -23,21 +23,41 @@ class EventInfo:
     error: bool = False
 
 
-async def iter_events(chunks: AsyncIterator[bytes], max_event_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
-    """Whole SSE events (terminated by a blank line) from a byte stream, as they complete."""
-    buf = b""
-    async for chunk in chunks:
-        buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+class EventSplitter:
+    """Cuts a byte stream into whole SSE events (terminated by a blank line)."""
+
+    def __init__(self, max_event_bytes: int = 1 << 20) -> None:
+        self.buf = b""
+        self.max = max_event_bytes
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self.buf + (chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk)
+        out = []
         while True:
             i = buf.find(b"\n\n")
             if i < 0:
                 break
-            yield buf[: i + 2]
+            out.append(buf[: i + 2])
             buf = buf[i + 2 :]
-        if len(buf) > max_event_bytes:
+        if len(buf) > self.max:
             raise ValueError("an upstream event exceeds the size limit")
-    if buf.strip():
-        yield buf + b"\n\n"
+        self.buf = buf
+        return out
+
+    def rest(self) -> list[bytes]:
+        """What is left at the end of the stream (an unterminated last event)."""
+        rest, self.buf = self.buf, b""
+        return [rest + b"\n\n"] if rest.strip() else []
+
+
+async def iter_events(chunks: AsyncIterator[bytes], max_event_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
+    """Whole SSE events from a byte stream, as they complete."""
+    sp = EventSplitter(max_event_bytes)
+    async for chunk in chunks:
+        for ev in sp.feed(chunk):
+            yield ev
+    for ev in sp.rest():
+        yield ev
 
 
 def inspect(event: bytes) -> EventInfo:

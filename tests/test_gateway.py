@@ -164,6 +164,27 @@ def test_waiting_time_and_full_queue_refuse_with_retry_after() -> None:
         assert 503 in codes and 429 in codes  # queue full, then not admitted within 150 ms
 
 
+def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue() -> None:
+    with ExitStack() as st:
+        eng = st.enter_context(ServerThread(create_engine_app(MODEL)))
+        gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url], budget=1))))
+        long = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 300, "ignore_eos": True,
+                "slo": {"deadline_ms": 60000, "waiting_ms": 60000}}
+        holder = threading.Thread(target=lambda: httpx.post(f"{gw.url}/v1/chat/completions", json=long, timeout=30))
+        holder.start()
+        time.sleep(0.3)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gw.url}/v1/chat/completions", json=long, timeout=0.5)  # queued behind it, then gone
+        t0 = time.monotonic()
+        while metric(gw.url, "slogate_cancelled_total") < 1 and time.monotonic() - t0 < 2:
+            time.sleep(0.05)
+        assert metric(gw.url, "slogate_cancelled_total") == 1
+        assert metric(gw.url, "slogate_queue_depth") == 0
+        holder.join()
+        assert sum(metric(e, "vllm:num_requests_running") for e in [eng.url]) == 0
+        assert metric(gw.url, "slogate_requests_total", outcome="completed") == 1  # the one that left never ran
+
+
 # ------------------------------------------------------------------ retries and what goes upstream
 def capture_backend(status: int = 200) -> tuple[FastAPI, list[dict[str, Any]]]:
     seen: list[dict[str, Any]] = []
