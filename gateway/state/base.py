@@ -1,0 +1,66 @@
+"""Shared per-replica state: which requests are in flight on each backend replica.
+
+Several gateway processes must never put more requests on a replica than its budget, and
+each must see the others' load when it orders and places requests. The store holds, per
+replica, the in-flight entries (request id → owner gateway, phase, input tokens, remaining
+tokens, claim time) with a lease each, so a crashed gateway's claims expire. `claim` is
+atomic: it succeeds only while the replica has fewer than `budget` live entries.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Entry:
+    req_id: str
+    owner: str  # gateway instance id
+    phase: str  # "prefill" | "decode"
+    input_tokens: int
+    remaining: float  # predicted tokens still to generate
+    claimed_at: float  # store time (s)
+
+    def encode(self) -> str:
+        return f"{self.owner}|{self.phase}|{self.input_tokens}|{self.remaining:.1f}|{self.claimed_at:.3f}"
+
+    @classmethod
+    def decode(cls, req_id: str, raw: str) -> Entry:
+        owner, phase, inp, rem, at = raw.split("|")
+        return cls(req_id, owner, phase, int(inp), float(rem), float(at))
+
+
+class StateUnavailable(Exception):
+    """The shared store cannot be reached; callers fall back to local decisions."""
+
+
+class SlotStore(ABC):
+    kind: str
+
+    @abstractmethod
+    async def claim(self, replica: str, entry: Entry, budget: int, lease_s: float) -> bool:
+        """Add `entry` if the replica has fewer than `budget` live entries; atomic."""
+
+    @abstractmethod
+    async def release(self, replica: str, req_id: str) -> None:
+        """Remove the entry (idempotent)."""
+
+    @abstractmethod
+    async def update(self, replica: str, req_id: str, phase: str, remaining: float) -> None:
+        """Change phase / remaining tokens of a live entry (no-op if it is gone)."""
+
+    @abstractmethod
+    async def renew(self, replica: str, req_ids: list[str], lease_s: float) -> None:
+        """Extend the leases of live entries."""
+
+    @abstractmethod
+    async def snapshot(self, replicas: list[str]) -> dict[str, list[Entry]]:
+        """Live entries per replica (expired leases are dropped first)."""
+
+    async def heartbeat(self, owner: str, ttl_s: float) -> int:
+        """Announce this gateway; return how many gateways are alive (for a safe local share)."""
+        return 1
+
+    async def close(self) -> None:  # noqa: B027 - optional
+        pass
