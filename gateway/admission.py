@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import APIError
@@ -64,6 +64,11 @@ class Admission:
         self.decision_s = 0.0
         self.on_refused: Callable[[Ticket, str], None] | None = None
         self.on_decision: Callable[[float], None] | None = None
+        # Shared state: confirm a local decision with an atomic claim in the store (False: another
+        # gateway took the last slot), and hand releases / first tokens to it.
+        self.confirm: Callable[[Ticket], Awaitable[bool]] | None = None
+        self.on_release: Callable[[Ticket], None] | None = None
+        self.on_first_token: Callable[[Ticket], None] | None = None
 
     def new_rid(self) -> int:
         return next(self._ids)
@@ -114,22 +119,44 @@ class Admission:
             self._schedule()  # an empty queue and room: decide now, no trip through the event loop
         else:
             self._schedule_soon()  # a queue: this iteration's arrivals are decided together
-        try:
-            t.replica = await t.fut
-        except asyncio.CancelledError:
-            # The client went away while waiting; if a slot was already claimed, give it back.
-            self.waiting.pop(req.rid, None)
-            self._to_predict.pop(req.rid, None)
-            if t.fut.done() and not t.fut.cancelled() and t.fut.exception() is None:
-                self.by_rid[t.fut.result()].release(req, self.clock())
-                self._schedule_soon()
-            raise
+        while True:
+            try:
+                t.replica = await t.fut
+            except asyncio.CancelledError:
+                # The client went away while waiting; if a slot was already claimed, give it back.
+                self.waiting.pop(req.rid, None)
+                self._to_predict.pop(req.rid, None)
+                if t.fut.done() and not t.fut.cancelled() and t.fut.exception() is None:
+                    self.by_rid[t.fut.result()].release(req, self.clock())
+                    self._schedule_soon()
+                raise
+            if self.confirm is None:
+                break
+            try:
+                ok = await self.confirm(t)
+            except asyncio.CancelledError:
+                self.by_rid[t.replica].release(req, self.clock())
+                if self.on_release is not None:
+                    self.on_release(t)  # the claim may have landed before the cancel
+                raise
+            if ok:
+                break
+            # Another gateway took the replica's last slot: count it full until the next sync, wait again.
+            view = self.by_rid[t.replica]
+            view.release(req, self.clock())
+            view.remote_prefill += 1
+            t.replica = None
+            t.fut = asyncio.get_running_loop().create_future()
+            self.waiting[req.rid] = t
+            self._schedule_soon()
         self.running[req.rid] = t
         return t
 
     def first_token(self, t: Ticket) -> None:
         if t.replica is not None:
             self.by_rid[t.replica].first_token(t.req, self.clock())
+            if self.on_first_token is not None:
+                self.on_first_token(t)
 
     def tokens(self, t: Ticket, n: int) -> None:
         """n more tokens generated for a running request."""
@@ -149,6 +176,8 @@ class Admission:
         self._to_predict.pop(t.req.rid, None)
         if t.replica is not None:
             self.by_rid[t.replica].release(t.req, now)
+            if self.on_release is not None:
+                self.on_release(t)
         self.scheduler.ordering.on_finish(t.req, now, goodput)
         if completed and t.track is not None and self.predictor is not None and t.req.generated > 0:
             self.predictor.observe(t.track, t.req.generated)

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,9 @@ from gateway.metrics import Metrics
 from gateway.pacing import Pacer, paced
 from gateway.slo import Resolved, WorkflowRegistry, resolve
 from gateway.sse import KEEPALIVE, EventInfo, EventSplitter, error_event, inspect
+from gateway.state.base import Entry, SlotStore, StateUnavailable
+from gateway.state.memory import MemoryStore
+from gateway.state.redis import RedisStore
 from predictors.features import prompt_from_body
 from predictors.online import OnlineLengthPredictor
 from router.goodput import RequestLedger
@@ -79,6 +83,13 @@ class Gateway:
         self.groups: dict[str, Admission] = {}
         self.client: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        sc = cfg.state
+        self.instance = uuid.uuid4().hex[:12]
+        self.store: SlotStore = RedisStore(sc.url, sc.prefix, sc.timeout_s) if sc.kind == "redis" else MemoryStore()
+        self.degraded = False
+        self.n_gateways = 1
+        self._pending_release: set[tuple[str, str]] = set()
+        self._bg: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -92,6 +103,9 @@ class Gateway:
         for adm in self.groups.values():
             adm.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop()))
+        if self.store.kind != "memory":
+            await self._sync()
+            self._tasks.append(asyncio.get_running_loop().create_task(self._sync_loop()))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -102,6 +116,9 @@ class Gateway:
             await adm.stop()
         if self.client is not None:
             await self.client.close()
+        if self._bg:
+            await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.store.close()
         if self.predictor is not None:
             self.predictor.close()
 
@@ -117,6 +134,9 @@ class Gateway:
                             refine_every=self.cfg.predictor.refine_every)
             adm.on_refused = lambda t, reason, m=m: self.metrics.shed.labels(m, reason).inc()
             adm.on_decision = self.metrics.decision.observe
+            adm.confirm = self._confirm
+            adm.on_release = self._released
+            adm.on_first_token = self._first_token
             self.groups[m] = adm
             with contextlib.suppress(RuntimeError):
                 adm.start()
@@ -147,6 +167,103 @@ class Gateway:
             for m, adm in self.groups.items():
                 self.metrics.queue_depth.labels(m).set(len(adm.waiting))
             self.workflows.expire(time.monotonic())
+
+    # ------------------------------------------------------------------ shared state
+    def _key(self, rid: int) -> str:
+        return self.backends[rid].cfg.url  # the same replica is the same key in every gateway
+
+    def _entry_id(self, t: Ticket) -> str:
+        return f"{self.instance}:{t.req.rid}"
+
+    async def _confirm(self, t: Ticket) -> bool:
+        """Claim the slot the local decision took, atomically across gateways."""
+        assert t.replica is not None
+        if self.degraded:
+            return True  # no per-request timeouts while the store is down; the sync loop probes it
+        e = Entry(self._entry_id(t), self.instance, "prefill", t.req.input_tokens, t.req.len_bound, 0.0)
+        try:
+            return await self.store.claim(self._key(t.replica), e, self.backends[t.replica].view.budget, self.cfg.state.lease_s)
+        except StateUnavailable as err:
+            self._degrade(err)
+            return True  # local share of the budget, enforced by the views (see _degrade)
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def _released(self, t: Ticket) -> None:
+        if t.replica is None:
+            return
+        if self.degraded:
+            self._pending_release.add((self._key(t.replica), self._entry_id(t)))  # applied when the store is back
+        else:
+            self._background(self._store_call(self.store.release(self._key(t.replica), self._entry_id(t))))
+
+    def _first_token(self, t: Ticket) -> None:
+        if t.replica is not None and self.store.kind != "memory" and not self.degraded:
+            self._background(self._store_call(self.store.update(self._key(t.replica), self._entry_id(t), "decode", t.req.len_bound)))
+
+    async def _store_call(self, coro: Any) -> None:
+        try:
+            await coro
+        except StateUnavailable as err:
+            self._degrade(err)  # the lease expires the entry if the release never lands
+
+    def _degrade(self, err: Exception) -> None:
+        if not self.degraded:
+            log.warning("shared state unavailable (%s): serving on local state within 1/%d of each budget", err, self.n_gateways)
+            self.degraded = True
+            self.metrics.state_degraded.set(1)
+        for b in self.backends:  # phantom remote load: only this gateway's share of each budget stays free
+            share = max(b.view.budget // max(self.n_gateways, 1), 1)
+            b.view.set_remote(b.view.budget - share, 0, 0, 0.0)
+
+    async def _sync(self) -> None:
+        """Read every replica's in-flight entries; other gateways' become remote load in our views."""
+        keys = [b.cfg.url for b in self.backends]
+        try:
+            self.n_gateways = await self.store.heartbeat(self.instance, max(3 * self.cfg.state.sync_s, 2.0))
+            mine: dict[str, list[str]] = {}
+            for adm in self.groups.values():
+                for t in adm.running.values():
+                    if t.replica is not None:
+                        mine.setdefault(self._key(t.replica), []).append(self._entry_id(t))
+            for key, eid in list(self._pending_release):  # releases that happened while it was down
+                await self.store.release(key, eid)
+                self._pending_release.discard((key, eid))
+            if self.degraded:  # Redis is back: put our in-flight requests back before counting
+                for adm in self.groups.values():
+                    for t in adm.running.values():
+                        if t.replica is not None:
+                            e = Entry(self._entry_id(t), self.instance, "decode" if t.req.generated else "prefill",
+                                      t.req.input_tokens, t.req.len_bound, 0.0)
+                            await self.store.claim(self._key(t.replica), e, 1 << 30, self.cfg.state.lease_s)
+            for key, ids in mine.items():
+                await self.store.renew(key, ids, self.cfg.state.lease_s)
+            snap = await self.store.snapshot(keys)
+        except StateUnavailable as err:
+            self._degrade(err)
+            return
+        if self.degraded:
+            log.warning("shared state is back; reconciled")
+            self.degraded = False
+            self.metrics.state_degraded.set(0)
+        for b in self.backends:
+            others = [e for e in snap.get(b.cfg.url, []) if e.owner != self.instance]
+            pre = [e for e in others if e.phase == "prefill"]
+            dec = [e for e in others if e.phase == "decode"]
+            b.view.set_remote(len(pre), len(dec), sum(e.input_tokens for e in dec),
+                              sum(b.view.model.raw_prefill(e.input_tokens) for e in pre))
+        self.metrics.gateways.set(self.n_gateways)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.state.sync_s)
+            try:
+                await self._sync()
+            except Exception:
+                log.exception("state sync failed")
 
     @staticmethod
     def _auth(b: Backend) -> dict[str, str]:

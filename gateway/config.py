@@ -15,7 +15,8 @@ tiers: {default: {weight: 1}, high: {weight: 2, slo: {ttft_ms: 1000}}}
 service_tiers: {priority: high, flex: low}
 ```
 Environment: `SLOGATE_BACKENDS=url1,url2`, `SLOGATE_ORDERING`, `SLOGATE_PLACEMENT`,
-`SLOGATE_FRAME_S`, `SLOGATE_MAX_QUEUE`, `SLOGATE_PREDICTOR_MODEL` override the file.
+`SLOGATE_FRAME_S`, `SLOGATE_MAX_QUEUE`, `SLOGATE_PREDICTOR_MODEL`, `SLOGATE_REDIS_URL` (shared
+state in Redis) override the file.
 """
 
 from __future__ import annotations
@@ -89,6 +90,15 @@ class PredictorConfig(_Strict):
     retrain_every: int = Field(2000, ge=50)
 
 
+class StateConfig(_Strict):
+    kind: Literal["memory", "redis"] = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "slogate"
+    lease_s: float = Field(15.0, gt=0)  # a crashed gateway's claims expire after this
+    sync_s: float = Field(0.1, gt=0)  # how often other gateways' load is read
+    timeout_s: float = Field(0.25, gt=0)  # a slower Redis counts as unavailable
+
+
 class GatewayConfig(_Strict):
     backends: list[BackendConfig] = Field(default_factory=list)
     policies: PolicyConfig = Field(default_factory=PolicyConfig)
@@ -104,6 +114,7 @@ class GatewayConfig(_Strict):
     keepalive_s: float = Field(5.0, gt=0)
     pacing: bool = True
     health_interval_s: float = Field(1.0, gt=0)
+    state: StateConfig = Field(default_factory=StateConfig)
 
     @field_validator("tiers")
     @classmethod
@@ -129,6 +140,8 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
             pol[field] = env[key]
     if env.get("SLOGATE_MAX_QUEUE"):
         raw["max_queue"] = env["SLOGATE_MAX_QUEUE"]
+    if env.get("SLOGATE_REDIS_URL"):
+        raw.setdefault("state", {}).update(kind="redis", url=env["SLOGATE_REDIS_URL"])
     if env.get("SLOGATE_PREDICTOR_MODEL"):
         raw.setdefault("predictor", {})["model_path"] = env["SLOGATE_PREDICTOR_MODEL"]
     return GatewayConfig.model_validate(raw)

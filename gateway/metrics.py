@@ -34,6 +34,8 @@ class Metrics:
         self.pred_covered = Counter("slogate_predictor_covered_total", "First length bounds that covered the true length", ["model"], registry=r)
         self.overhead = Histogram("slogate_gateway_overhead_seconds", "Gateway time before the upstream request is sent, queue wait excluded",
                                   buckets=_OVH, registry=r)
+        self.state_degraded = Gauge("slogate_state_degraded", "1 while the shared store is unreachable (serving on local state)", registry=r)
+        self.gateways = Gauge("slogate_gateways", "Gateway instances sharing the store", registry=r)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
 
     def render(self) -> bytes:

@@ -28,14 +28,27 @@ class ReplicaView:
     prefill_ctx: int = 0  # Σ context tokens in prefill_queue (kept incrementally: O(1) reads)
     prefill_work_raw: float = 0.0  # Σ uncorrected prefill time of prefill_queue
     free_kv_blocks: int | None = None  # scraped from the engine where available
+    # Load other gateways put here (from the shared store; zero in the simulator).
+    remote_prefill: int = 0
+    remote_decode: int = 0
+    remote_kv: int = 0
+    remote_prefill_raw: float = 0.0
 
     @property
     def inflight(self) -> int:
-        return len(self.prefill_queue) + len(self.decoding)
+        return len(self.prefill_queue) + len(self.decoding) + self.remote_prefill + self.remote_decode
 
     @property
     def n_decode(self) -> int:
-        return len(self.decoding)
+        return len(self.decoding) + self.remote_decode
+
+    @property
+    def prefill_raw(self) -> float:
+        """Uncorrected prefill work queued here, ours and other gateways'."""
+        return self.prefill_work_raw + self.remote_prefill_raw
+
+    def set_remote(self, prefill: int, decode: int, kv: int, prefill_raw: float) -> None:
+        self.remote_prefill, self.remote_decode, self.remote_kv, self.remote_prefill_raw = prefill, decode, kv, prefill_raw
 
     @property
     def free(self) -> int:
@@ -80,12 +93,12 @@ class ReplicaView:
     # -- estimates --------------------------------------------------------------------
     def token_time(self, extra_seqs: int = 1, extra_kv: int = 0) -> float:
         """Estimated time per output token if `extra_seqs` more sequences joined."""
-        n = self.n_decode + len(self.prefill_queue) + extra_seqs
-        return self.model.decode_step_time(n, self.decode_kv + self.prefill_ctx + extra_kv)
+        n = self.n_decode + len(self.prefill_queue) + self.remote_prefill + extra_seqs
+        return self.model.decode_step_time(n, self.decode_kv + self.remote_kv + self.prefill_ctx + extra_kv)
 
     def prefill_backlog(self, now: float) -> float:
         """Seconds of prefill work queued here, lag-compensated (PROSERVE §4.3)."""
-        work = self.model.beta * self.prefill_work_raw
+        work = self.model.beta * self.prefill_raw
         return max(work - (now - self.ts_prefill), 0.0) if work else 0.0
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:

@@ -52,6 +52,7 @@ class RealtimeEngine:
         self._task: asyncio.Task[None] | None = None
         self.aborted = 0
         self.finished = 0
+        self.peak = 0  # most requests ever in the engine at once (running + waiting)
 
     def start(self) -> None:
         if self._task is None:
@@ -90,6 +91,7 @@ class RealtimeEngine:
             w.insert(pos, seq)
         else:
             self.eng.add(seq)
+        self.peak = max(self.peak, len(self.eng.running) + len(self.eng.waiting))
         self._wake.set()
         return rid, q
 
@@ -133,6 +135,8 @@ class FixedLatencyEngine:
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self.eng = EngineSim(0, BatchLatencyModel(PROFILES[DEFAULT_PROFILE]))  # for the preemption counter only
         self.aborted = 0
+        self.finished = 0
+        self.peak = 0
 
     def start(self) -> None:
         pass
@@ -152,6 +156,8 @@ class FixedLatencyEngine:
         rid = next(self._ids)
         q: asyncio.Queue[int | None] = asyncio.Queue()
 
+        self.peak = max(self.peak, len(self._tasks) + 1)
+
         async def emit() -> None:
             loop = asyncio.get_running_loop()
             t = loop.time() + self.ttft_s
@@ -161,6 +167,7 @@ class FixedLatencyEngine:
                 t += self.itl_s
             q.put_nowait(None)
             self._tasks.pop(rid, None)
+            self.finished += 1
 
         self._tasks[rid] = asyncio.get_running_loop().create_task(emit())
         return rid, q
@@ -234,7 +241,9 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
                 f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{lab} {e.waiting}\n"
                 f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lab} {e.kv_usage:.4f}\n"
                 f"# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{lab} {e.eng.preemptions}\n"
-                f"# TYPE slogate_sim_aborted_total counter\nslogate_sim_aborted_total{lab} {e.aborted}\n")
+                f"# TYPE slogate_sim_aborted_total counter\nslogate_sim_aborted_total{lab} {e.aborted}\n"
+                f"# TYPE slogate_sim_finished_total counter\nslogate_sim_finished_total{lab} {e.finished}\n"
+                f"# TYPE slogate_sim_peak_requests gauge\nslogate_sim_peak_requests{lab} {e.peak}\n")
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def _body(request: Request) -> dict[str, Any] | JSONResponse:

@@ -1,0 +1,104 @@
+"""Several gateway processes sharing Redis act as one: no replica ever gets more than its budget
+(checked on the engines' side), and load spreads over the replicas. Then Redis dies mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.serve import free_port
+
+MODEL = "sim-model"
+BUDGET = 4
+
+
+def spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def up(url: str, timeout: float = 30) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} did not come up")
+
+
+def gauge(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis_url: str):
+    procs: list[subprocess.Popen[bytes]] = []
+    engines, gateways = [], []
+    try:
+        for _ in range(2):
+            p = free_port()
+            procs.append(spawn(["engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", "20", "--fixed-itl-ms", "10"]))
+            engines.append(f"http://127.0.0.1:{p}")
+        cfg = tmp_path / "gw.yaml"
+        prefix = f"mg{os.getpid()}{time.monotonic_ns()}"
+        cfg.write_text("backends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: {BUDGET}}}\n" for u in engines)
+                       + f"state: {{kind: redis, url: '{redis_url}', prefix: {prefix}, sync_s: 0.05, lease_s: 5}}\n"
+                       + "health_interval_s: 0.5\n")
+        for _ in range(3):
+            p = free_port()
+            procs.append(spawn(["serve", "--config", str(cfg), "--port", str(p), "--log-level", "warning"]))
+            gateways.append(f"http://127.0.0.1:{p}")
+        for u in engines + gateways:
+            up(f"{u}/health")
+        yield engines, gateways
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(timeout=15)
+
+
+async def drive(gateways: list[str], n: int, concurrency: int) -> dict[int, int]:
+    codes: dict[int, int] = {}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "ignore_eos": True,
+            "slo": {"deadline_ms": 120000, "waiting_ms": 120000}}
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 10)) as c:
+        async def one(i: int) -> None:
+            async with sem:
+                try:
+                    r = await c.post(f"{gateways[i % len(gateways)]}/v1/chat/completions", json=body)
+                    codes[r.status_code] = codes.get(r.status_code, 0) + 1
+                except httpx.HTTPError:
+                    codes[-1] = codes.get(-1, 0) + 1
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return codes
+
+
+def test_three_gateways_never_exceed_any_budget(cluster) -> None:
+    engines, gateways = cluster
+    codes = asyncio.run(drive(gateways, 5000, 48))
+    assert codes == {200: 5000}
+    peaks = [gauge(e, "slogate_sim_peak_requests") for e in engines]
+    assert max(peaks) <= BUDGET, peaks  # 48 clients, 3 gateways, yet never more than 4 on a replica
+    assert min(peaks) == BUDGET  # and the budgets were used
+    done = [gauge(e, "slogate_sim_finished_total") for e in engines]
+    assert sum(done) >= 5000 and min(done) >= 0.35 * sum(done), done  # load spread as one gateway would
+    assert all(gauge(g, "slogate_gateways") == 3 for g in gateways)
