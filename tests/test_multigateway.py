@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -44,8 +45,40 @@ def gauge(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in {url}/metrics")
 
 
+def start_redis(port: int, d: Path) -> subprocess.Popen[bytes]:
+    import shutil
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed")
+    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        try:
+            import socket
+
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return p
+        except OSError:
+            time.sleep(0.05)
+    raise AssertionError("redis-server did not start")
+
+
 @pytest.fixture
-def cluster(tmp_path: Path, redis_url: str):
+def own_redis(tmp_path: Path):
+    """A redis-server this test may kill and restart on the same port."""
+    port = free_port()
+    holder = {"proc": start_redis(port, tmp_path), "port": port}
+    yield holder
+    holder["proc"].terminate()
+    holder["proc"].wait(timeout=10)
+
+
+@pytest.fixture
+def cluster(request, tmp_path: Path, redis_url: str):
+    if "own_redis" in request.fixturenames:
+        redis_url = f"redis://127.0.0.1:{request.getfixturevalue('own_redis')['port']}/0"
     procs: list[subprocess.Popen[bytes]] = []
     engines, gateways = [], []
     try:
@@ -67,10 +100,8 @@ def cluster(tmp_path: Path, redis_url: str):
         yield engines, gateways
     finally:
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         for p in procs:
             p.wait(timeout=15)
 
@@ -102,3 +133,29 @@ def test_three_gateways_never_exceed_any_budget(cluster) -> None:
     done = [gauge(e, "slogate_sim_finished_total") for e in engines]
     assert sum(done) >= 5000 and min(done) >= 0.35 * sum(done), done  # load spread as one gateway would
     assert all(gauge(g, "slogate_gateways") == 3 for g in gateways)
+
+
+def test_redis_dies_mid_run_and_comes_back(own_redis, cluster, tmp_path: Path) -> None:
+    engines, gateways = cluster
+
+    async def scenario() -> tuple[dict[int, int], float]:
+        run = asyncio.create_task(drive(gateways, 3000, 48))
+        await asyncio.sleep(2.0)
+        own_redis["proc"].kill()  # Redis dies under load
+        own_redis["proc"].wait()
+        await asyncio.sleep(3.0)
+        degraded = [gauge(g, "slogate_state_degraded") for g in gateways]
+        assert degraded == [1.0, 1.0, 1.0]
+        own_redis["proc"] = start_redis(own_redis["port"], tmp_path)  # ... and comes back
+        t_back = time.monotonic()
+        while any(gauge(g, "slogate_state_degraded") for g in gateways):
+            assert time.monotonic() - t_back < 10, "gateways did not recover within 10 s"
+            await asyncio.sleep(0.1)
+        recovered = time.monotonic() - t_back
+        return await run, recovered
+
+    codes, recovered = asyncio.run(scenario())
+    assert codes == {200: 3000}, codes  # nothing lost: every request completed
+    assert recovered < 10
+    peaks = [gauge(e, "slogate_sim_peak_requests") for e in engines]
+    assert max(peaks) <= BUDGET, peaks  # the local share kept the budget while Redis was away
