@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.admission import Admission, Ticket
+from gateway.auth import Authenticator
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.errors import APIError, error_body
 from gateway.metrics import Metrics
@@ -89,13 +91,20 @@ class Gateway:
         self.degraded = False
         self.n_gateways = 1
         self._pending_release: set[tuple[str, str]] = set()
+        self._grace_until = 0.0
+        self._outage_at = 0.0
+        self._remote_at_outage: dict[int, int] = {}
+        self.auth = Authenticator(cfg.auth, self.store)
         self._bg: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         total = sum(b.cfg.budget for b in self.backends)
         self.client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=total + 64, limit_per_host=0, keepalive_timeout=30),
+            # Idle upstream connections are dropped after 4 s, before vLLM's uvicorn drops them (5 s):
+            # reusing one the engine is closing fails the request, and a retry could briefly put
+            # one request too many on a replica that already had it.
+            connector=aiohttp.TCPConnector(limit=total + 64, limit_per_host=0, keepalive_timeout=4),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s, sock_read=self.cfg.first_byte_timeout_s),
             auto_decompress=False)
         await asyncio.gather(*(self._check(b, discover=True) for b in self.backends))
@@ -181,11 +190,13 @@ class Gateway:
         if self.degraded:
             return True  # no per-request timeouts while the store is down; the sync loop probes it
         e = Entry(self._entry_id(t), self.instance, "prefill", t.req.input_tokens, t.req.len_bound, 0.0)
+        view = self.backends[t.replica].view
         try:
-            return await self.store.claim(self._key(t.replica), e, self.backends[t.replica].view.budget, self.cfg.state.lease_s)
+            return await self.store.claim(self._key(t.replica), e, view.budget, self.cfg.state.lease_s)
         except StateUnavailable as err:
+            # The decision was made before the store went away; re-judge it within the local share.
             self._degrade(err)
-            return True  # local share of the budget, enforced by the views (see _degrade)
+            return view.inflight <= view.budget
 
     def _background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -215,9 +226,24 @@ class Gateway:
             log.warning("shared state unavailable (%s): serving on local state within 1/%d of each budget", err, self.n_gateways)
             self.degraded = True
             self.metrics.state_degraded.set(1)
-        for b in self.backends:  # phantom remote load: only this gateway's share of each budget stays free
+            if time.monotonic() >= self._grace_until:
+                # Our last snapshot may miss the others' latest claims: assume they hold everything we
+                # did not, so at first we only replace our own finished requests.
+                self._outage_at = time.monotonic()
+                self._remote_at_outage = {b.view.rid: b.view.budget - (b.view.inflight - b.view.remote_prefill - b.view.remote_decode)
+                                          for b in self.backends}
+        self._degrade_share()
+
+    def _degrade_share(self) -> None:
+        """Phantom remote load: only this gateway's share of each budget stays free, and whatever
+        the other gateways may have had in flight when the store went away still counts, fading out
+        over one lease — the time a claim lives without renewal (an even share alone would let a
+        gateway with little in flight overfill a replica that the others had nearly filled)."""
+        fade = max(0.0, 1.0 - (time.monotonic() - self._outage_at) / self.cfg.state.lease_s)
+        for b in self.backends:
             share = max(b.view.budget // max(self.n_gateways, 1), 1)
-            b.view.set_remote(b.view.budget - share, 0, 0, 0.0)
+            remembered = math.ceil(self._remote_at_outage.get(b.view.rid, 0) * fade)
+            b.view.set_remote(max(b.view.budget - share, remembered), 0, 0, 0.0)
 
     async def _sync(self) -> None:
         """Read every replica's in-flight entries; other gateways' become remote load in our views."""
@@ -245,10 +271,18 @@ class Gateway:
         except StateUnavailable as err:
             self._degrade(err)
             return
+        now = time.monotonic()
         if self.degraded:
-            log.warning("shared state is back; reconciled")
+            # Redis is back, empty if it restarted. Other gateways re-register their in-flight
+            # requests on their next sync: until they all have, trusting the store would let this
+            # gateway fill budgets they are still using, so keep the local share a little longer.
+            log.warning("shared state is back; reconciling")
             self.degraded = False
-            self.metrics.state_degraded.set(0)
+            self._grace_until = now + max(1.0, 4 * self.cfg.state.sync_s + self.cfg.state.timeout_s)
+        if now < self._grace_until:
+            self._degrade_share()
+            return
+        self.metrics.state_degraded.set(0)
         for b in self.backends:
             others = [e for e in snap.get(b.cfg.url, []) if e.owner != self.instance]
             pre = [e for e in others if e.phase == "prefill"]
@@ -272,16 +306,20 @@ class Gateway:
     # ------------------------------------------------------------------ the request path
     async def handle(self, kind: str, request: Request) -> Response:
         t_recv = time.perf_counter()
+        key = self.auth.identify(request.headers)  # 401 before the body is even read
         body = await self._read_json(request)
         _validate(kind, body)
         model = body["model"]
+        self.auth.check_model(key, model)
         adm = self.groups.get(model)
         if adm is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         now = time.monotonic()
-        res = resolve(body, request.headers, self.cfg, self.workflows, now)
+        res = resolve(body, request.headers, self.cfg, self.workflows, now, key)
         prompt = prompt_from_body(body)
-        req = CoreRequest(adm.new_rid(), now, max(len(prompt.text) // 4, 1), res.slo, tier=res.tier, tenant=res.tier.name,
+        n_in = max(len(prompt.text) // 4, 1)
+        await self.auth.check_rate(key, n_in + (prompt.max_tokens or 256))
+        req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
                           max_tokens=prompt.max_tokens, workflow=res.workflow, stage=res.stage)
         labels = (model, res.tier.name, res.slo.kind.value)
         stream = bool(body.get("stream"))
@@ -656,6 +694,15 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate",
                  "backends": [b.name for b in gw.backends if m in b.models]} for m in sorted(gw.groups)]
         return {"object": "list", "data": data}
+
+    @app.get("/admin/state")
+    async def admin_state(request: Request) -> dict[str, Any]:
+        gw.auth.require_admin(request.headers)
+        return {"instance": gw.instance, "store": gw.store.kind, "degraded": gw.degraded, "gateways": gw.n_gateways,
+                "replicas": [{"name": b.name, "healthy": b.view.healthy, "budget": b.view.budget, "inflight_here": b.view.inflight
+                              - b.view.remote_prefill - b.view.remote_decode, "inflight_remote": b.view.remote_prefill + b.view.remote_decode,
+                              "models": sorted(b.models), "beta": round(b.view.model.beta, 3)} for b in gw.backends],
+                "queues": {m: len(a.waiting) for m, a in gw.groups.items()}}
 
     @app.get("/health")
     async def health() -> JSONResponse:

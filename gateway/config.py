@@ -99,6 +99,25 @@ class StateConfig(_Strict):
     timeout_s: float = Field(0.25, gt=0)  # a slower Redis counts as unavailable
 
 
+class KeyConfig(_Strict):
+    """One API key, stored as the SHA-256 hex of the key (the key itself never is)."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tenant: str
+    tier: str = "default"
+    models: list[str] = Field(default_factory=list)  # empty: every model
+    slo: SLOSpec = Field(default_factory=SLOSpec)  # this key's SLO defaults
+    slo_floor: SLOSpec = Field(default_factory=SLOSpec)  # the strictest SLO it may ask for
+    rpm: int | None = Field(None, ge=1)  # requests per minute
+    tpm: int | None = Field(None, ge=1)  # tokens (prompt + max output) per minute
+
+
+class AuthConfig(_Strict):
+    enabled: bool = False
+    keys: list[KeyConfig] = Field(default_factory=list)
+    admin_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+
+
 class GatewayConfig(_Strict):
     backends: list[BackendConfig] = Field(default_factory=list)
     policies: PolicyConfig = Field(default_factory=PolicyConfig)
@@ -115,6 +134,7 @@ class GatewayConfig(_Strict):
     pacing: bool = True
     health_interval_s: float = Field(1.0, gt=0)
     state: StateConfig = Field(default_factory=StateConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
     @field_validator("tiers")
     @classmethod

@@ -48,7 +48,11 @@ async def serve(cfg: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, s
         engines.append((srv, await _start(srv)))
         cfg.backends.append(BackendConfig(url=f"http://127.0.0.1:{p}", models=[sim_model], name=f"sim-{len(engines)}"))
     app = create_app(cfg, make_predictor(cfg))
-    gw = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5))
+    # Keep idle client connections longer than clients do (httpx: 5 s, uvicorn's default is also
+    # 5 s): with equal timeouts a client can reuse a connection the server is closing, and the
+    # request fails with a read error before the gateway ever sees it.
+    gw = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
+                                       timeout_keep_alive=75))
     try:
         await gw.serve()
     finally:

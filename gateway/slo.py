@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import GatewayConfig, SLOSpec
+from gateway.config import GatewayConfig, KeyConfig, SLOSpec
 from gateway.errors import APIError
 from router.request import SLO, Tier, Workflow
 
@@ -75,7 +75,9 @@ class WorkflowRegistry:
 
 
 def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig, workflows: WorkflowRegistry,
-            now: float | None = None) -> Resolved:
+            now: float | None = None, api_key: KeyConfig | None = None) -> Resolved:
+    """`api_key`: the caller's key, whose tier is authoritative, whose SLO defaults sit above the
+    tier's, and whose SLO floor clamps what the request may ask for."""
     now = time.monotonic() if now is None else now
     stream = bool(body.get("stream"))
     model = str(body.get("model", ""))
@@ -100,6 +102,8 @@ def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig
     if tier_name is None and isinstance(st, str) and st in cfg.service_tiers:
         tier_name, sources["tier"] = cfg.service_tiers[st], "service_tier"
     tier_name = tier_name or "default"
+    if api_key is not None:
+        tier_name, sources["tier"] = api_key.tier, "key"  # a key cannot lift itself into another tier
     if tier_name not in cfg.tiers:
         raise APIError(400, f"unknown tier {tier_name!r}; known: {', '.join(sorted(cfg.tiers))}", param="priority")
     tier_cfg = cfg.tiers[tier_name]
@@ -117,6 +121,8 @@ def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig
     if model in cfg.slo.models:
         layer(cfg.slo.models[model], "model")
     layer(tier_cfg.slo, "tier")
+    if api_key is not None:
+        layer(api_key.slo, "key")
     hdr: dict[str, Any] = {}
     for name, key in _HEADER_MS.items():
         if name in h:
@@ -143,6 +149,11 @@ def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig
             bod["kind"] = slo_obj["kind"]
     layer(bod, "body")
 
+    if api_key is not None:  # the "monopolising user": asks stricter than the key's floor are clamped to it
+        for k, floor in api_key.slo_floor.model_dump(exclude_none=True).items():
+            if k in _SLO_KEYS and k != "waiting_ms" and spec.get(k) is not None and spec[k] < floor:
+                spec[k] = floor
+                sources[k] = "key_floor"
     kind = spec.get("kind", "auto")
     if kind not in _KINDS:
         raise APIError(400, f"slo kind must be one of {', '.join(_KINDS)}, got {kind!r}", param="slo.kind")

@@ -98,3 +98,16 @@ def test_redis_unreachable_raises_state_unavailable() -> None:
             await s.snapshot(["A"])
 
     run(lambda: RedisStore("redis://127.0.0.1:9/0", timeout_s=0.2), go)
+
+
+def test_rate_limits_count_requests_and_tokens_per_window(store) -> None:
+    async def go(store):
+        assert [(await store.rate("k", 60, 3, 10, None))[0] for _ in range(4)] == [True, True, True, False]
+        ok, retry = await store.rate("k", 60, 3, 10, None)
+        assert not ok and 0 < retry <= 60
+        assert (await store.rate("t", 60, None, 70, 100))[0]
+        assert not (await store.rate("t", 60, None, 40, 100))[0]  # 110 > 100: refused, not counted
+        assert (await store.rate("t", 60, None, 30, 100))[0]
+        assert (await store.rate("other", 60, 3, 10, None))[0]  # subjects are separate
+
+    run(store, go)

@@ -58,6 +58,11 @@ class SlotStore(ABC):
     async def snapshot(self, replicas: list[str]) -> dict[str, list[Entry]]:
         """Live entries per replica (expired leases are dropped first)."""
 
+    @abstractmethod
+    async def rate(self, subject: str, window_s: float, max_requests: int | None, tokens: int, max_tokens: int | None) -> tuple[bool, float]:
+        """Count one request of `tokens` in the current fixed window; (allowed, seconds until the
+        window ends). A refused request is not counted."""
+
     async def heartbeat(self, owner: str, ttl_s: float) -> int:
         """Announce this gateway; return how many gateways are alive (for a safe local share)."""
         return 1

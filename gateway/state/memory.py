@@ -13,6 +13,7 @@ class MemoryStore(SlotStore):
     def __init__(self, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
         self.clock = clock
         self.inflight: dict[str, dict[str, tuple[Entry, float]]] = {}  # replica → id → (entry, lease expiry)
+        self.windows: dict[tuple[str, int], tuple[int, int]] = {}  # (subject, window) → (requests, tokens)
 
     def _live(self, replica: str) -> dict[str, tuple[Entry, float]]:
         now = self.clock()
@@ -45,6 +46,18 @@ class MemoryStore(SlotStore):
         for r in req_ids:
             if r in d:
                 d[r] = (d[r][0], exp)
+
+    async def rate(self, subject: str, window_s: float, max_requests: int | None, tokens: int, max_tokens: int | None) -> tuple[bool, float]:
+        now = time.time()
+        w = int(now // window_s)
+        key = (subject, w)
+        n, t = self.windows.get(key, (0, 0))
+        if (max_requests is not None and n + 1 > max_requests) or (max_tokens is not None and t + tokens > max_tokens):
+            return False, (w + 1) * window_s - now
+        if len(self.windows) > 10_000:
+            self.windows = {k: v for k, v in self.windows.items() if k[1] >= w}
+        self.windows[key] = (n + 1, t + tokens)
+        return True, 0.0
 
     async def snapshot(self, replicas: list[str]) -> dict[str, list[Entry]]:
         return {r: [e for e, _ in self._live(r).values()] for r in replicas}

@@ -85,6 +85,29 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
+# KEYS: the subject's key prefix. ARGV: window s, max requests (or -1), tokens, max tokens (or -1).
+# The window comes from Redis's clock, so every gateway counts into the same one. (The counter
+# keys are derived in the script: fine on one Redis, not for Redis Cluster.)
+RATE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local w = tonumber(ARGV[1])
+local win = math.floor(now / w)
+local kn, kt = KEYS[1] .. ':' .. win .. ':n', KEYS[1] .. ':' .. win .. ':t'
+local n = tonumber(redis.call('GET', kn) or '0')
+local tok = tonumber(redis.call('GET', kt) or '0')
+local left = (win + 1) * w - now
+if (tonumber(ARGV[2]) >= 0 and n + 1 > tonumber(ARGV[2])) or (tonumber(ARGV[4]) >= 0 and tok + tonumber(ARGV[3]) > tonumber(ARGV[4])) then
+  return {0, tostring(left)}
+end
+redis.call('INCR', kn)
+redis.call('INCRBY', kt, ARGV[3])
+redis.call('EXPIRE', kn, math.ceil(w) + 1)
+redis.call('EXPIRE', kt, math.ceil(w) + 1)
+return {1, '0'}
+"""
+
+
 class RedisStore(SlotStore):
     kind = "redis"
 
@@ -97,6 +120,7 @@ class RedisStore(SlotStore):
         self._renew = self.r.register_script(RENEW)
         self._snapshot = self.r.register_script(SNAPSHOT)
         self._heartbeat = self.r.register_script(HEARTBEAT)
+        self._rate = self.r.register_script(RATE)
 
     def _keys(self, replica: str) -> list[str]:
         return [f"{self.prefix}:inflight:{replica}", f"{self.prefix}:lease:{replica}"]
@@ -144,6 +168,14 @@ class RedisStore(SlotStore):
             pairs = flat if isinstance(flat, list) else []
             out[rep] = [Entry.decode(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)]
         return out
+
+    async def rate(self, subject: str, window_s: float, max_requests: int | None, tokens: int, max_tokens: int | None) -> tuple[bool, float]:
+        try:
+            ok, left = await self._rate(keys=[f"{self.prefix}:rate:{subject}"],
+                                        args=[window_s, -1 if max_requests is None else max_requests, tokens, -1 if max_tokens is None else max_tokens])
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        return bool(int(ok)), float(left)
 
     async def heartbeat(self, owner: str, ttl_s: float) -> int:
         try:
