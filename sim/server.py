@@ -287,65 +287,52 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
     def _sse(obj: dict[str, Any] | str) -> bytes:
         return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(request: Request) -> Any:
+    async def _complete(request: Request, chat: bool) -> Any:
+        """Chat completions and legacy completions: the same flow, different shapes."""
         body = await _body(request)
         if isinstance(body, JSONResponse):
             return body
         n_in, n_out, toks = await _tokens(body, request, "max_tokens")
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         finish = "length" if body.get("max_tokens") and n_out >= body["max_tokens"] else "stop"
+
+        def piece(text: str | None, fin: str | None, whole: bool = False) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fin}
+            if whole:
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin}
+            return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": fin}
+
         if not body.get("stream"):
             n = 0
             async for _ in toks:
                 n += 1
-            return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok " * n}, "finish_reason": finish}],
-                    "usage": _usage(n_in, n)}
+            return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+                    "choices": [piece("tok " * n, finish, whole=True)], "usage": _usage(n_in, n)}
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def stream() -> AsyncIterator[bytes]:
-            base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+            base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
             n = 0
-            yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            if chat:
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
             async for _ in toks:
                 n += 1
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]})
-            yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+                yield _sse({**base, "choices": [piece("tok ", None)]})
+            yield _sse({**base, "choices": [piece(None, finish)]})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(n_in, n)})
             yield _sse("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Any:
+        return await _complete(request, chat=True)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        body = await _body(request)
-        if isinstance(body, JSONResponse):
-            return body
-        n_in, n_out, toks = await _tokens(body, request, "max_tokens")
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        finish = "length" if body.get("max_tokens") and n_out >= body["max_tokens"] else "stop"
-        if not body.get("stream"):
-            n = 0
-            async for _ in toks:
-                n += 1
-            return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": "tok " * n, "logprobs": None, "finish_reason": finish}], "usage": _usage(n_in, n)}
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-        async def stream() -> AsyncIterator[bytes]:
-            base = {"id": cid, "object": "text_completion", "created": created, "model": model}
-            n = 0
-            async for _ in toks:
-                n += 1
-                yield _sse({**base, "choices": [{"index": 0, "text": "tok ", "logprobs": None, "finish_reason": None}]})
-            yield _sse({**base, "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish}]})
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(n_in, n)})
-            yield _sse("[DONE]")
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return await _complete(request, chat=False)
 
     @app.post("/v1/responses", response_model=None)
     async def responses(request: Request) -> Any:

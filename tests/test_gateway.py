@@ -249,7 +249,8 @@ def test_our_fields_are_stripped_and_priority_passed_to_priority_backends() -> N
         assert "priority" not in seen[-1]
 
 
-def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() -> None:
+def streaming_backend(before_s: float, between_s: float, crash: bool) -> FastAPI:
+    """A scripted engine: three content chunks, after a delay, then [DONE] or a dropped connection."""
     from fastapi.responses import StreamingResponse
 
     app = FastAPI()
@@ -261,15 +262,23 @@ def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() ->
     @app.post("/v1/chat/completions")
     async def chat() -> StreamingResponse:
         async def gen():
+            await asyncio.sleep(before_s)
             for i in range(3):
                 chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
                          "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
-                await asyncio.sleep(0.05)  # separate reads: the bytes before the crash reach the gateway
-            raise RuntimeError("engine crashed")  # the connection drops mid-stream
+                await asyncio.sleep(between_s)
+            if crash:
+                raise RuntimeError("engine crashed")  # the connection drops mid-stream
+            yield b"data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    return app
+
+
+def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() -> None:
+    app = streaming_backend(0.0, 0.05, crash=True)  # separate reads: the bytes before the crash reach the gateway
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(app))
         gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url]))))
@@ -284,26 +293,7 @@ def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() ->
 
 
 def test_keepalive_comments_while_the_first_token_is_slow() -> None:
-    from fastapi.responses import StreamingResponse
-
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat() -> StreamingResponse:
-        async def gen():
-            await asyncio.sleep(0.7)  # a slow prefill
-            for i in range(3):
-                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
-                         "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(gen(), media_type="text/event-stream")
-
+    app = streaming_backend(0.7, 0.0, crash=False)  # a slow prefill
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(app))
         gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url], keepalive_s=0.2))))
