@@ -249,7 +249,10 @@ class Gateway:
         """Read every replica's in-flight entries; other gateways' become remote load in our views."""
         keys = [b.cfg.url for b in self.backends]
         try:
-            self.n_gateways = await self.store.heartbeat(self.instance, max(3 * self.cfg.state.sync_s, 2.0))
+            n = await self.store.heartbeat(self.instance, max(3 * self.cfg.state.sync_s, 2.0))
+            # A restarted Redis has forgotten the other gateways until they heartbeat again: while
+            # recovering, never let the count (and with it our share of each budget) grow.
+            self.n_gateways = max(n, self.n_gateways) if (self.degraded or time.monotonic() < self._grace_until) else n
             mine: dict[str, list[str]] = {}
             for adm in self.groups.values():
                 for t in adm.running.values():
