@@ -137,7 +137,11 @@ class Gateway:
             if m in self.groups:
                 continue
             p = self.cfg.policies
-            sched = Scheduler(make_ordering(p.ordering, seed=p.seed), make_placement(p.placement, seed=p.seed))
+            try:
+                ordering = make_ordering(p.ordering, seed=p.seed, **p.params)
+            except TypeError as e:
+                raise ValueError(f"policies.params do not fit ordering {p.ordering!r}: {e}") from None
+            sched = Scheduler(ordering, make_placement(p.placement, seed=p.seed))
             views = [b.view for b in self.backends if m in b.models]
             adm = Admission(sched, views, max_queue=self.cfg.max_queue, frame_s=p.frame_s, predictor=self.predictor,
                             refine_every=self.cfg.predictor.refine_every)

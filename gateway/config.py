@@ -78,6 +78,7 @@ class PolicyConfig(_Strict):
     ordering: str = "gmax"
     placement: str = "gorouting"
     frame_s: float = Field(0.3, gt=0, le=10)
+    params: dict[str, float] = Field(default_factory=dict)  # ordering parameters, e.g. gmax {fairness: 0.2, delta: 1}
     profile: str = DEFAULT_PROFILE
     seed: int = 0
 

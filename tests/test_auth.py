@@ -24,6 +24,7 @@ def cfg(engine_url: str, state: dict | None = None) -> GatewayConfig:
     return GatewayConfig.model_validate({
         "backends": [{"url": engine_url, "models": [MODEL, "other-model"], "budget": 16}],
         "tiers": {"default": {}, "gold": {"weight": 3}, "basic": {"weight": 1}},
+        "policies": {"params": {"fairness": 0.3}},
         "auth": {"enabled": True, "admin_sha256": key_hash(ADMIN), "keys": [
             {"sha256": key_hash(GOLD), "tenant": "acme", "tier": "gold", "slo_floor": {"ttft_ms": 500, "tbt_ms": 40}},
             {"sha256": key_hash(BASIC), "tenant": "bob", "tier": "basic", "models": [MODEL], "rpm": 3},
@@ -44,7 +45,8 @@ def test_key_tier_is_authoritative_and_the_slo_floor_clamps() -> None:
 def test_every_auth_status_in_the_openai_shape() -> None:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL)))
-        gw = st.enter_context(ServerThread(create_app(cfg(eng.url))))
+        app = create_app(cfg(eng.url))
+        gw = st.enter_context(ServerThread(app))
         url = f"{gw.url}/v1"
         msg = [{"role": "user", "content": "x"}]
         with pytest.raises(openai.AuthenticationError) as e:
@@ -68,6 +70,9 @@ def test_every_auth_status_in_the_openai_shape() -> None:
         assert httpx.get(f"{gw.url}/admin/state", headers={"authorization": f"Bearer {GOLD}"}).status_code == 401
         st_ = httpx.get(f"{gw.url}/admin/state", headers={"authorization": f"Bearer {ADMIN}"})
         assert st_.status_code == 200 and st_.json()["replicas"][0]["budget"] == 16
+        # the key's tenant is what GMAX's fairness blend accounts service to
+        served = app.state.gateway.groups[MODEL].scheduler.ordering.served
+        assert set(served) >= {"acme", "bob"}
         metrics = httpx.get(f"{gw.url}/metrics").text
         for k in (GOLD, BASIC, ADMIN, key_hash(GOLD)):
             assert k not in metrics
