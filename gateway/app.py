@@ -92,6 +92,8 @@ class Gateway:
         self.n_gateways = 1
         self._pending_release: set[tuple[str, str]] = set()
         self._grace_until = 0.0
+        self._ready_syncs = 0
+        self._n_at_outage = 1
         self._outage_at = 0.0
         self._remote_at_outage: dict[int, int] = {}
         self.auth = Authenticator(cfg.auth, self.store)
@@ -231,6 +233,7 @@ class Gateway:
             self.degraded = True
             self.metrics.state_degraded.set(1)
             if time.monotonic() >= self._grace_until:
+                self._n_at_outage = self.n_gateways
                 # Our last snapshot may miss the others' latest claims: assume they hold everything we
                 # did not, so at first we only replace our own finished requests.
                 self._outage_at = time.monotonic()
@@ -285,10 +288,16 @@ class Gateway:
             # gateway fill budgets they are still using, so keep the local share a little longer.
             log.warning("shared state is back; reconciling")
             self.degraded = False
-            self._grace_until = now + max(1.0, 4 * self.cfg.state.sync_s + self.cfg.state.timeout_s)
+            self._grace_until = now + 5.0  # at most: a gateway that never comes back must not hold us
+            self._ready_syncs = 0
         if now < self._grace_until:
-            self._degrade_share()
-            return
+            # Leave the local share once every gateway known before the outage has heartbeaten again
+            # and one more sync has passed (each re-registers its requests in the same sync).
+            self._ready_syncs = self._ready_syncs + 1 if n >= self._n_at_outage else 0
+            if self._ready_syncs < 3:
+                self._degrade_share()
+                return
+            self._grace_until = 0.0
         self.metrics.state_degraded.set(0)
         for b in self.backends:
             others = [e for e in snap.get(b.cfg.url, []) if e.owner != self.instance]
