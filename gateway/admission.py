@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway.errors import APIError
 from predictors.features import PromptInput
@@ -39,7 +39,6 @@ class Ticket:
     track: Track | None = None
     replica: int | None = None
     last_refine: int = 0
-    enqueued_at: float = field(default_factory=time.monotonic)
 
 
 class Admission:
@@ -60,8 +59,6 @@ class Admission:
         self._to_predict: dict[int, Ticket] = {}
         self._soon: asyncio.Handle | None = None
         self._frames: asyncio.Task[None] | None = None
-        self.decisions = 0
-        self.decision_s = 0.0
         self.on_refused: Callable[[Ticket, str], None] | None = None
         self.on_decision: Callable[[float], None] | None = None
         # Shared state: confirm a local decision with an atomic claim in the store (False: another
@@ -230,11 +227,8 @@ class Admission:
                 req.replica = rid
                 t.fut.set_result(rid)
             # d.preempt: live preemption (abort and requeue) is not done by the gateway yet.
-        self.decisions += 1
-        dt = time.perf_counter() - t0
-        self.decision_s += dt
         if self.on_decision is not None:
-            self.on_decision(dt)
+            self.on_decision(time.perf_counter() - t0)
 
     def _refuse(self, t: Ticket, reason: str) -> None:
         self.waiting.pop(t.req.rid, None)

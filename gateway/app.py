@@ -177,11 +177,14 @@ class Gateway:
             await asyncio.sleep(self.cfg.health_interval_s)
             await asyncio.gather(*(self._check(b) for b in self.backends), return_exceptions=True)
             self._rebuild_groups()
-            for b in self.backends:
-                self.metrics.inflight.labels(b.name).set(b.view.inflight)
-            for m, adm in self.groups.items():
-                self.metrics.queue_depth.labels(m).set(len(adm.waiting))
+            self.refresh_gauges()
             self.workflows.expire(time.monotonic())
+
+    def refresh_gauges(self) -> None:
+        for b in self.backends:
+            self.metrics.inflight.labels(b.name).set(b.view.inflight)
+        for m, adm in self.groups.items():
+            self.metrics.queue_depth.labels(m).set(len(adm.waiting))
 
     # ------------------------------------------------------------------ shared state
     def _key(self, rid: int) -> str:
@@ -237,8 +240,7 @@ class Gateway:
                 # Our last snapshot may miss the others' latest claims: assume they hold everything we
                 # did not, so at first we only replace our own finished requests.
                 self._outage_at = time.monotonic()
-                self._remote_at_outage = {b.view.rid: b.view.budget - (b.view.inflight - b.view.remote_prefill - b.view.remote_decode)
-                                          for b in self.backends}
+                self._remote_at_outage = {b.view.rid: b.view.budget - b.view.local_inflight for b in self.backends}
         self._degrade_share()
 
     def _degrade_share(self) -> None:
@@ -252,6 +254,10 @@ class Gateway:
             remembered = math.ceil(self._remote_at_outage.get(b.view.rid, 0) * fade)
             b.view.set_remote(max(b.view.budget - share, remembered), 0, 0, 0.0)
 
+    def _running(self) -> list[Ticket]:
+        """This gateway's requests that hold a replica slot now."""
+        return [t for adm in self.groups.values() for t in adm.running.values() if t.replica is not None]
+
     async def _sync(self) -> None:
         """Read every replica's in-flight entries; other gateways' become remote load in our views."""
         keys = [b.cfg.url for b in self.backends]
@@ -261,20 +267,16 @@ class Gateway:
             # recovering, never let the count (and with it our share of each budget) grow.
             self.n_gateways = max(n, self.n_gateways) if (self.degraded or time.monotonic() < self._grace_until) else n
             mine: dict[str, list[str]] = {}
-            for adm in self.groups.values():
-                for t in adm.running.values():
-                    if t.replica is not None:
-                        mine.setdefault(self._key(t.replica), []).append(self._entry_id(t))
+            for t in self._running():
+                mine.setdefault(self._key(t.replica), []).append(self._entry_id(t))  # type: ignore[arg-type]
             for key, eid in list(self._pending_release):  # releases that happened while it was down
                 await self.store.release(key, eid)
                 self._pending_release.discard((key, eid))
             if self.degraded:  # Redis is back: put our in-flight requests back before counting
-                for adm in self.groups.values():
-                    for t in adm.running.values():
-                        if t.replica is not None:
-                            e = Entry(self._entry_id(t), self.instance, "decode" if t.req.generated else "prefill",
-                                      t.req.input_tokens, t.req.len_bound, 0.0)
-                            await self.store.claim(self._key(t.replica), e, 1 << 30, self.cfg.state.lease_s)
+                for t in self._running():  # read after the awaits above: requests started meanwhile count too
+                    e = Entry(self._entry_id(t), self.instance, "decode" if t.req.generated else "prefill",
+                              t.req.input_tokens, t.req.len_bound, 0.0)
+                    await self.store.claim(self._key(t.replica), e, 1 << 30, self.cfg.state.lease_s)  # type: ignore[arg-type]
             for key, ids in mine.items():
                 await self.store.renew(key, ids, self.cfg.state.lease_s)
             snap = await self.store.snapshot(keys)
@@ -323,7 +325,7 @@ class Gateway:
     async def handle(self, kind: str, request: Request) -> Response:
         t_recv = time.perf_counter()
         key = self.auth.identify(request.headers)  # 401 before the body is even read
-        body = await self._read_json(request)
+        body, body_size = await self._read_json(request)
         _validate(kind, body)
         model = body["model"]
         self.auth.check_model(key, model)
@@ -364,7 +366,7 @@ class Gateway:
             self.metrics.queue_wait.labels(*labels).observe(time.monotonic() - now)
             first_bound = req.len_bound
             try:
-                resp, ticket = await self._open(adm, ticket, kind, res, stream, labels, st)
+                resp, ticket = await self._open(adm, ticket, kind, res, stream, body_size > JSON_IN_THREAD, st)
             except APIError:
                 self.metrics.requests.labels(*labels, "failed").inc()
                 raise
@@ -417,7 +419,8 @@ class Gateway:
         gen = self._relay(adm, ticket, resp, led, labels, client_usage, first_bound)
         return StreamingResponse(gen, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
-    async def _read_json(self, request: Request) -> dict[str, Any]:
+    async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
+        """The body as a JSON object, and its size in bytes."""
         limit = self.cfg.max_body_bytes
         cl = request.headers.get("content-length")
         if cl and cl.isdigit() and int(cl) > limit:
@@ -437,7 +440,7 @@ class Gateway:
             raise APIError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")
-        return body
+        return body, len(raw)
 
     def _upstream_body(self, b: Backend, kind: str, res: Resolved, stream: bool) -> dict[str, Any]:
         body = dict(res.body)
@@ -455,7 +458,7 @@ class Gateway:
         return body
 
     async def _open(self, adm: Admission, ticket: Ticket, kind: str, res: Resolved, stream: bool,
-                    labels: tuple[str, str, str], st: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Ticket]:
+                    big: bool, st: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Ticket]:
         """Send upstream, retrying elsewhere on a connect error or 5xx; keeps `st` (the ticket
         holding a slot, the open response) current for the caller's cleanup."""
         assert self.client is not None
@@ -463,7 +466,7 @@ class Gateway:
         while True:
             b = self.backends[ticket.replica]  # type: ignore[index]
             body = self._upstream_body(b, kind, res, stream)
-            content = await asyncio.to_thread(json.dumps, body) if len(str(body.get("messages", ""))) > JSON_IN_THREAD else json.dumps(body)
+            content = await asyncio.to_thread(json.dumps, body) if big else json.dumps(body)
             try:
                 resp = await self.client.post(b.cfg.url + PATHS[kind], data=content, headers={"content-type": "application/json", **self._auth(b)})
                 if resp.status >= 500:
@@ -715,8 +718,8 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
     async def admin_state(request: Request) -> dict[str, Any]:
         gw.auth.require_admin(request.headers)
         return {"instance": gw.instance, "store": gw.store.kind, "degraded": gw.degraded, "gateways": gw.n_gateways,
-                "replicas": [{"name": b.name, "healthy": b.view.healthy, "budget": b.view.budget, "inflight_here": b.view.inflight
-                              - b.view.remote_prefill - b.view.remote_decode, "inflight_remote": b.view.remote_prefill + b.view.remote_decode,
+                "replicas": [{"name": b.name, "healthy": b.view.healthy, "budget": b.view.budget, "inflight_here": b.view.local_inflight,
+                              "inflight_remote": b.view.inflight - b.view.local_inflight,
                               "models": sorted(b.models), "beta": round(b.view.model.beta, 3)} for b in gw.backends],
                 "queues": {m: len(a.waiting) for m, a in gw.groups.items()}}
 
@@ -729,10 +732,7 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        for b in gw.backends:
-            gw.metrics.inflight.labels(b.name).set(b.view.inflight)
-        for m, adm in gw.groups.items():
-            gw.metrics.queue_depth.labels(m).set(len(adm.waiting))
+        gw.refresh_gauges()
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app

@@ -8,7 +8,6 @@ usage chunk it asked for when the client did not.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +47,6 @@ class EventSplitter:
         """What is left at the end of the stream (an unterminated last event)."""
         rest, self.buf = self.buf, b""
         return [rest + b"\n\n"] if rest.strip() else []
-
-
-async def iter_events(chunks: AsyncIterator[bytes], max_event_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
-    """Whole SSE events from a byte stream, as they complete."""
-    sp = EventSplitter(max_event_bytes)
-    async for chunk in chunks:
-        for ev in sp.feed(chunk):
-            yield ev
-    for ev in sp.rest():
-        yield ev
 
 
 def inspect(event: bytes) -> EventInfo:

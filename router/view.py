@@ -36,7 +36,12 @@ class ReplicaView:
 
     @property
     def inflight(self) -> int:
-        return len(self.prefill_queue) + len(self.decoding) + self.remote_prefill + self.remote_decode
+        return self.local_inflight + self.remote_prefill + self.remote_decode
+
+    @property
+    def local_inflight(self) -> int:
+        """Requests this gateway itself has in flight here."""
+        return len(self.prefill_queue) + len(self.decoding)
 
     @property
     def n_decode(self) -> int:

@@ -260,7 +260,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
             return _err(400, "Priority scheduling is not enabled.", param="priority")
         return body
 
-    async def _tokens(body: dict[str, Any], request: Request, max_key: str) -> tuple[int, int, AsyncIterator[int]]:
+    def _tokens(body: dict[str, Any], max_key: str) -> tuple[int, int, AsyncIterator[int]]:
         text = _prompt_text(body)
         n_in = len(text) // 4 + 1
         n_out = answer_length(text, body.get(max_key) or body.get("max_completion_tokens"), bool(body.get("ignore_eos")))
@@ -292,7 +292,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         body = await _body(request)
         if isinstance(body, JSONResponse):
             return body
-        n_in, n_out, toks = await _tokens(body, request, "max_tokens")
+        n_in, n_out, toks = _tokens(body, "max_tokens")
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         finish = "length" if body.get("max_tokens") and n_out >= body["max_tokens"] else "stop"
 
@@ -339,7 +339,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         body = await _body(request)
         if isinstance(body, JSONResponse):
             return body
-        n_in, _, toks = await _tokens(body, request, "max_output_tokens")
+        n_in, _, toks = _tokens(body, "max_output_tokens")
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         msg_id = f"msg_{uuid.uuid4().hex}"
 

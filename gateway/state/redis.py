@@ -38,12 +38,12 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 return 1
 """
 
-# ARGV: id, new encoded prefix (owner|phase|input|remaining)
+# ARGV: id, phase, remaining (owner, input tokens and claim time are kept)
 UPDATE = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
-local at = string.match(cur, '|([^|]*)$')
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. '|' .. at)
+local owner, _, inp, _, at = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+redis.call('HSET', KEYS[1], ARGV[1], owner .. '|' .. ARGV[2] .. '|' .. inp .. '|' .. ARGV[3] .. '|' .. at)
 return 1
 """
 
@@ -140,11 +140,7 @@ class RedisStore(SlotStore):
 
     async def update(self, replica: str, req_id: str, phase: str, remaining: float) -> None:
         try:
-            cur = await self.r.hget(self._keys(replica)[0], req_id)
-            if cur is None:
-                return
-            owner, _, inp = cur.split("|")[:3]
-            await self._update(keys=self._keys(replica), args=[req_id, f"{owner}|{phase}|{inp}|{remaining:.1f}"])
+            await self._update(keys=self._keys(replica), args=[req_id, phase, f"{remaining:.1f}"])
         except (RedisError, OSError) as e:
             raise StateUnavailable(str(e)) from e
 
