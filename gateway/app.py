@@ -724,11 +724,19 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
                 "queues": {m: len(a.waiting) for m, a in gw.groups.items()}}
 
     @app.get("/health")
+    @app.get("/health/ready")
     async def health() -> JSONResponse:
+        """Readiness: 200 while at least one backend is healthy (a load balancer should send traffic)."""
         healthy = [b.name for b in gw.backends if b.view.healthy]
         ok = bool(healthy)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "healthy_backends": len(healthy), "backends": len(gw.backends)},
-                            status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "healthy_backends": len(healthy), "backends": len(gw.backends),
+                             "state_degraded": gw.degraded}, status_code=200 if ok else 503)
+
+    @app.get("/health/live")
+    async def live() -> dict[str, str]:
+        """Liveness: the event loop answers. Independent of backends, so an engine outage never
+        makes an orchestrator restart every gateway."""
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics() -> Response:

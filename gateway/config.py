@@ -14,9 +14,8 @@ slo:
 tiers: {default: {weight: 1}, high: {weight: 2, slo: {ttft_ms: 1000}}}
 service_tiers: {priority: high, flex: low}
 ```
-Environment: `SLOGATE_BACKENDS=url1,url2`, `SLOGATE_ORDERING`, `SLOGATE_PLACEMENT`,
-`SLOGATE_FRAME_S`, `SLOGATE_MAX_QUEUE`, `SLOGATE_PREDICTOR_MODEL`, `SLOGATE_REDIS_URL` (shared
-state in Redis) override the file.
+Environment variables (`ENV_OVERRIDES`) override the file. Every key is documented in
+docs/reference/configuration.md, generated from these models (`slogate reference`).
 """
 
 from __future__ import annotations
@@ -36,13 +35,13 @@ class _Strict(BaseModel):
 
 
 class BackendConfig(_Strict):
-    url: str
-    models: list[str] = Field(default_factory=list)
-    budget: int = Field(48, ge=1, le=100_000)
-    kind: Literal["vllm", "sglang", "openai"] = "vllm"
-    priority_scheduling: bool = False
-    name: str | None = None
-    api_key: str | None = None  # sent upstream as a bearer token (kind openai)
+    url: str = Field(description="Base URL of the OpenAI-compatible server (http:// or https://, without /v1).")
+    models: list[str] = Field(default_factory=list, description="Models served there; empty: discovered from its `/v1/models` (and re-read by the health check).")
+    budget: int = Field(48, ge=1, le=100_000, description="Requests the gateways keep in flight there at most (all gateways together when state is shared).")
+    kind: Literal["vllm", "sglang", "openai"] = Field("vllm", description="Engine kind: vllm | sglang | openai (any other OpenAI-compatible server).")
+    priority_scheduling: bool = Field(False, description="The engine runs with `--scheduling-policy priority`: the request's tier is passed as `priority`.")
+    name: str | None = Field(None, description="Label in metrics and logs; default: host:port.")
+    api_key: str | None = Field(None, description="Sent upstream as a bearer token (hosted OpenAI-compatible APIs).")
 
     @field_validator("url")
     @classmethod
@@ -55,93 +54,110 @@ class BackendConfig(_Strict):
 class SLOSpec(_Strict):
     """Defaults (or overrides) for the SLO fields; None = inherit."""
 
-    kind: Literal["auto", "latency", "deadline", "best_effort"] | None = None
-    ttft_ms: float | None = Field(None, gt=0)
-    tbt_ms: float | None = Field(None, gt=0)
-    deadline_ms: float | None = Field(None, gt=0)
-    waiting_ms: float | None = Field(None, gt=0)
+    kind: Literal["auto", "latency", "deadline", "best_effort"] | None = Field(
+        None, description="SLO class: latency (TTFT + TBT), deadline (whole answer), best_effort; auto: latency when streaming, else deadline.")
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, ms (latency class).")
+    tbt_ms: float | None = Field(None, gt=0, description="Time between tokens, ms (latency class).")
+    deadline_ms: float | None = Field(None, gt=0, description="Deadline for the full answer, ms (deadline class).")
+    waiting_ms: float | None = Field(None, gt=0, description="Longest wait for admission before a 429, ms.")
 
 
 class SLOConfig(_Strict):
-    default: SLOSpec = Field(default_factory=lambda: SLOSpec(kind="auto", ttft_ms=2000, tbt_ms=100, deadline_ms=20_000, waiting_ms=5_000))
-    models: dict[str, SLOSpec] = Field(default_factory=dict)
-    best_effort_deadline_ms: float = Field(600_000, gt=0)
-    workflow_deadline_ms: float = Field(120_000, gt=0)
+    default: SLOSpec = Field(default_factory=lambda: SLOSpec(kind="auto", ttft_ms=2000, tbt_ms=100, deadline_ms=20_000, waiting_ms=5_000),
+                             description="SLO of a request that names none (JITServe's evaluation defaults).")
+    models: dict[str, SLOSpec] = Field(default_factory=dict, description="Per-model overrides of the default, by model id.")
+    best_effort_deadline_ms: float = Field(600_000, gt=0, description="Deadline the scheduler gives best-effort requests, so they are never starved; they wait this long for admission.")
+    workflow_deadline_ms: float = Field(120_000, gt=0, description="Deadline of an agent workflow that does not give one, from its first call.")
 
 
 class TierConfig(_Strict):
-    weight: float = Field(1.0, gt=0)
-    slo: SLOSpec = Field(default_factory=SLOSpec)
+    weight: float = Field(1.0, gt=0, description="Priority weight in goodput (PROSERVE's tier weight): a weight-2 token counts twice.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="This tier's SLO defaults (above the model's, below the request's).")
 
 
 class PolicyConfig(_Strict):
-    ordering: str = "gmax"
-    placement: str = "gorouting"
-    frame_s: float = Field(0.3, gt=0, le=10)
-    params: dict[str, float] = Field(default_factory=dict)  # ordering parameters, e.g. gmax {fairness: 0.2, delta: 1}
-    profile: str = DEFAULT_PROFILE
-    seed: int = 0
+    ordering: str = Field("gmax", description="Ordering / admission policy: gmax, fcfs, edf, sjf, ltr, plas, slide, priority, vtc, sa.")
+    placement: str = Field("gorouting", description="Placement policy: gorouting, pok, least-load, round-robin, random, p2c.")
+    frame_s: float = Field(0.3, gt=0, le=10, description="Scheduling frame Δ, s: the queue is re-decided at least this often.")
+    params: dict[str, float] = Field(default_factory=dict, description="Ordering parameters, e.g. gmax `{fairness: 0.2, delta: 1}`.")
+    profile: str = Field(DEFAULT_PROFILE, description="Batch latency profile the replica model starts from (corrected online by β).")
+    seed: int = Field(0, description="Seed of randomised policies (random, p2c, sa).")
 
 
 class PredictorConfig(_Strict):
-    model_path: str | None = None
-    quantile: float = Field(0.9, gt=0.5, lt=1)
-    refine_every: int = Field(50, ge=1)
-    online: bool = True
-    retrain_every: int = Field(2000, ge=50)
+    model_path: str | None = Field(None, description="Length model from `slogate train-predictor`; none: a cold-start quantile of observed lengths.")
+    quantile: float = Field(0.9, gt=0.5, lt=1, description="Quantile of the answer-length upper bound.")
+    refine_every: int = Field(50, ge=1, description="Re-predict a running request's bound every this many generated tokens.")
+    online: bool = Field(True, description="Retrain on completed requests (in a worker process; a worse model is rejected).")
+    retrain_every: int = Field(2000, ge=50, description="Completed requests between online retrains.")
 
 
 class StateConfig(_Strict):
-    kind: Literal["memory", "redis"] = "memory"
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "slogate"
-    lease_s: float = Field(15.0, gt=0)  # a crashed gateway's claims expire after this
-    sync_s: float = Field(0.1, gt=0)  # how often other gateways' load is read
-    timeout_s: float = Field(0.25, gt=0)  # a slower Redis counts as unavailable
+    kind: Literal["memory", "redis"] = Field("memory", description="memory: this process only; redis: per-replica slots shared by every gateway.")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (kind redis).")
+    prefix: str = Field("slogate", description="Key prefix; gateways with the same prefix act as one.")
+    lease_s: float = Field(15.0, gt=0, description="A crashed gateway's claims expire after this, s.")
+    sync_s: float = Field(0.1, gt=0, description="How often other gateways' load is read, s.")
+    timeout_s: float = Field(0.25, gt=0, description="A slower Redis call counts as an outage (the gateway serves on local state).")
 
 
 class KeyConfig(_Strict):
     """One API key, stored as the SHA-256 hex of the key (the key itself never is)."""
 
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    tenant: str
-    tier: str = "default"
-    models: list[str] = Field(default_factory=list)  # empty: every model
-    slo: SLOSpec = Field(default_factory=SLOSpec)  # this key's SLO defaults
-    slo_floor: SLOSpec = Field(default_factory=SLOSpec)  # the strictest SLO it may ask for
-    rpm: int | None = Field(None, ge=1)  # requests per minute
-    tpm: int | None = Field(None, ge=1)  # tokens (prompt + max output) per minute
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 hex of the key (`slogate hash-key`); the key itself is never stored.")
+    tenant: str = Field(description="Tenant name in logs and rate limits.")
+    tier: str = Field("default", description="The key's tier; authoritative (a request cannot lift itself into another).")
+    models: list[str] = Field(default_factory=list, description="Models the key may use; empty: every model.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="This key's SLO defaults (above the tier's).")
+    slo_floor: SLOSpec = Field(default_factory=SLOSpec, description="The strictest SLO the key may ask for; stricter asks are clamped to it.")
+    rpm: int | None = Field(None, ge=1, description="Requests per minute (shared across gateways with Redis state).")
+    tpm: int | None = Field(None, ge=1, description="Tokens per minute: prompt estimate + max output.")
 
 
 class AuthConfig(_Strict):
-    enabled: bool = False
-    keys: list[KeyConfig] = Field(default_factory=list)
-    admin_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    enabled: bool = Field(False, description="Require `Authorization: Bearer <key>` on /v1/*.")
+    keys: list[KeyConfig] = Field(default_factory=list, description="The API keys.")
+    admin_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key for /admin/*; none: /admin is disabled (403).")
 
 
 class GatewayConfig(_Strict):
-    backends: list[BackendConfig] = Field(default_factory=list)
-    policies: PolicyConfig = Field(default_factory=PolicyConfig)
-    slo: SLOConfig = Field(default_factory=SLOConfig)
-    tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()})
-    service_tiers: dict[str, str] = Field(default_factory=lambda: {"auto": "default", "default": "default"})
-    predictor: PredictorConfig = Field(default_factory=PredictorConfig)
-    max_queue: int = Field(2000, ge=1)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    retries: int = Field(2, ge=0, le=10)
-    connect_timeout_s: float = Field(3.0, gt=0)
-    first_byte_timeout_s: float = Field(600.0, gt=0)
-    keepalive_s: float = Field(5.0, gt=0)
-    pacing: bool = True
-    health_interval_s: float = Field(1.0, gt=0)
-    state: StateConfig = Field(default_factory=StateConfig)
-    auth: AuthConfig = Field(default_factory=AuthConfig)
+    backends: list[BackendConfig] = Field(default_factory=list, description="The engine replicas.")
+    policies: PolicyConfig = Field(default_factory=PolicyConfig, description="Scheduling policies.")
+    slo: SLOConfig = Field(default_factory=SLOConfig, description="Default SLOs.")
+    tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()}, description="Priority tiers by name (`default` always exists).")
+    service_tiers: dict[str, str] = Field(default_factory=lambda: {"auto": "default", "default": "default"},
+                                          description="OpenAI `service_tier` value → tier name.")
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig, description="Answer-length predictor.")
+    max_queue: int = Field(2000, ge=1, description="Requests waiting per model at most; beyond: 503 + Retry-After.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; beyond: 413.")
+    retries: int = Field(2, ge=0, le=10, description="Other replicas tried after a connect error or 5xx before the first byte.")
+    connect_timeout_s: float = Field(3.0, gt=0, description="Upstream connect timeout, s.")
+    first_byte_timeout_s: float = Field(600.0, gt=0, description="Upstream read timeout, s: longest silence from a replica (first byte, then between chunks).")
+    keepalive_s: float = Field(5.0, gt=0, description="A stream silent this long gets an SSE comment so proxies keep it open, s.")
+    pacing: bool = Field(True, description="Pace latency-class streams on their TBT timeline (smooths bursts; never delays past the SLO).")
+    health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")
+    shutdown_grace_s: float = Field(30.0, gt=0, description="On SIGTERM, requests in flight get this long to finish before they are cut, s.")
+    state: StateConfig = Field(default_factory=StateConfig, description="Where per-replica load is kept.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
 
     @field_validator("tiers")
     @classmethod
     def _has_default(cls, v: dict[str, TierConfig]) -> dict[str, TierConfig]:
         v.setdefault("default", TierConfig())
         return v
+
+
+# Environment overrides (applied over the file by `load_config`; documented from here).
+ENV_OVERRIDES: dict[str, str] = {
+    "SLOGATE_CONFIG": "path of the YAML config when `slogate serve` gets no `--config`",
+    "SLOGATE_BACKENDS": "comma-separated backend URLs; replaces `backends` (models are discovered)",
+    "SLOGATE_ORDERING": "`policies.ordering`",
+    "SLOGATE_PLACEMENT": "`policies.placement`",
+    "SLOGATE_FRAME_S": "`policies.frame_s`",
+    "SLOGATE_MAX_QUEUE": "`max_queue`",
+    "SLOGATE_REDIS_URL": "`state.url`, and sets `state.kind: redis`",
+    "SLOGATE_PREDICTOR_MODEL": "`predictor.model_path`",
+}
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> GatewayConfig:

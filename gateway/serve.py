@@ -51,7 +51,7 @@ async def serve(cfg: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, s
     # Keep idle client connections longer than clients do (httpx: 5 s, uvicorn's default is also
     # 5 s): with equal timeouts a client can reuse a connection the server is closing, and the
     # request fails with a read error before the gateway ever sees it.
-    gw = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5,
+    gw = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=cfg.shutdown_grace_s,
                                        timeout_keep_alive=75))
     try:
         await gw.serve()

@@ -28,6 +28,39 @@ _HEADER_MS = {"x-slogate-ttft-ms": "ttft_ms", "x-slogate-tbt-ms": "tbt_ms", "x-s
               "x-slogate-waiting-ms": "waiting_ms", "x-llm-d-slo-ttft-ms": "ttft_ms", "x-llm-d-slo-tpot-ms": "tbt_ms"}
 _KINDS = ("auto", "latency", "deadline", "best_effort")
 
+# The request-side SLO interface, documented from here (docs/reference/slo.md is generated from
+# these tables and tests/test_reference.py sends every entry through `resolve`).
+BODY_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("slo.kind", "string", "latency | deadline | best_effort | auto (auto: latency when streaming, else deadline)"),
+    ("slo.ttft_ms", "ms", "time to first token (latency class)"),
+    ("slo.tbt_ms", "ms", "time between tokens (latency class)"),
+    ("slo.deadline_ms", "ms", "deadline for the whole answer (deadline class)"),
+    ("slo.waiting_ms", "ms", "longest wait for admission before a 429"),
+    ("deadline", "s", "JITServe's name for the deadline"),
+    ("target_ttft", "s", "JITServe's TTFT target (`target_tft` is accepted too)"),
+    ("target_tbt", "s", "JITServe's TBT target"),
+    ("waiting_time", "s", "JITServe's admission wait"),
+    ("priority", "string | int", "a tier name; an integer is vLLM's priority and is passed upstream unchanged"),
+    ("tier", "string", "a tier name (when `priority` is vLLM's integer)"),
+    ("workflow.id", "string", "agent workflow id: the calls sharing it share one deadline (compound class)"),
+    ("workflow.stage", "int", "this call's stage in the workflow (0-based)"),
+    ("workflow.deadline_ms", "ms", "the workflow's deadline, from its first call"),
+    ("service_tier", "string", "OpenAI's field, mapped to a tier by `service_tiers` (lower precedence than headers); passed upstream unchanged"),
+)
+HEADERS: tuple[tuple[str, str, str], ...] = (
+    ("x-slogate-ttft-ms", "ms", "time to first token"),
+    ("x-slogate-tbt-ms", "ms", "time between tokens"),
+    ("x-slogate-deadline-ms", "ms", "deadline for the whole answer"),
+    ("x-slogate-waiting-ms", "ms", "longest wait for admission"),
+    ("x-slogate-class", "string", "latency | deadline | best_effort | auto"),
+    ("x-slogate-tier", "string", "tier name"),
+    ("x-slogate-workflow-id", "string", "agent workflow id"),
+    ("x-slogate-workflow-stage", "int", "stage in the workflow"),
+    ("x-slogate-workflow-deadline-ms", "ms", "the workflow's deadline"),
+    ("x-llm-d-slo-ttft-ms", "ms", "llm-d's TTFT header"),
+    ("x-llm-d-slo-tpot-ms", "ms", "llm-d's time per output token, taken as TBT"),
+)
+
 
 @dataclass
 class Resolved:

@@ -272,10 +272,13 @@ def serve(
 ) -> None:
     """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state."""
     import asyncio
+    import os
 
     from gateway.config import BackendConfig, load_config
     from gateway.serve import serve as run
 
+    if config is None and os.environ.get("SLOGATE_CONFIG"):
+        config = Path(os.environ["SLOGATE_CONFIG"])
     try:
         cfg = load_config(config)
     except (ValueError, OSError) as e:
@@ -289,6 +292,35 @@ def serve(
     if n_sim:
         console.print(f"no backend configured: starting {n_sim} simulated engines (model 'sim-model')")
     asyncio.run(run(cfg, host, port, sim_engines=n_sim, log_level=log_level))
+
+
+@app.command()
+def reference(
+    out_dir: Annotated[Path, typer.Option(help="where the reference files go")] = Path("docs/reference"),
+    check: Annotated[bool, typer.Option(help="only check that the files are up to date (exit 1 if not)")] = False,
+) -> None:
+    """Write the configuration, metrics and SLO references generated from the code."""
+    from gateway.reference import stale, write
+
+    if check:
+        bad = stale(out_dir)
+        if bad:
+            console.print(f"out of date in {out_dir}: {', '.join(bad)} (run `slogate reference`)")
+            raise typer.Exit(1)
+        console.print("references up to date")
+        return
+    for p in write(out_dir):
+        console.print(f"wrote {p}")
+
+
+@app.command("hash-key")
+def hash_key(key: Annotated[str, typer.Argument(help="an API key (or '-' to read it from stdin)")]) -> None:
+    """Print the SHA-256 to put in `auth.keys[].sha256` (the key itself is never stored)."""
+    import sys
+
+    from gateway.auth import key_hash
+
+    print(key_hash(sys.stdin.readline().strip() if key == "-" else key))
 
 
 @app.command()

@@ -136,6 +136,8 @@ def test_health(fleet) -> None:
     gw, _ = fleet
     r = httpx.get(f"{gw.url}/health")
     assert r.status_code == 200 and r.json()["healthy_backends"] == 2
+    assert httpx.get(f"{gw.url}/health/ready").json() == r.json()
+    assert httpx.get(f"{gw.url}/health/live").status_code == 200
 
 
 # ------------------------------------------------------------------ overload
