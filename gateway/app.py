@@ -38,6 +38,7 @@ from gateway.config import BackendConfig, GatewayConfig
 from gateway.errors import APIError, error_body
 from gateway.metrics import Metrics
 from gateway.pacing import Pacer, paced
+from gateway.schema import openapi, validate_body
 from gateway.slo import Resolved, WorkflowRegistry, resolve
 from gateway.sse import KEEPALIVE, EventInfo, EventSplitter, error_event, inspect
 from gateway.state.base import Entry, SlotStore, StateUnavailable
@@ -326,7 +327,7 @@ class Gateway:
         t_recv = time.perf_counter()
         key = self.auth.identify(request.headers)  # 401 before the body is even read
         body, body_size = await self._read_json(request)
-        _validate(kind, body)
+        validate_body(kind, body)
         model = body["model"]
         self.auth.check_model(key, model)
         adm = self.groups.get(model)
@@ -645,32 +646,6 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _validate(kind: str, body: dict[str, Any]) -> None:
-    if not isinstance(body.get("model"), str) or not body["model"]:
-        raise APIError(400, "`model` is required and must be a string", param="model")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise APIError(400, "`stream` must be a boolean", param="stream")
-    for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        v = body.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise APIError(400, f"`{k}` must be a positive integer", param=k)
-    if kind == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise APIError(400, "`messages` must be a non-empty array", param="messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise APIError(400, f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
-    elif kind == "completions":
-        if not isinstance(body.get("prompt"), str | list):
-            raise APIError(400, "`prompt` must be a string or an array", param="prompt")
-    elif kind == "responses" and not isinstance(body.get("input"), str | list):
-        raise APIError(400, "`input` must be a string or an array", param="input")
-    so = body.get("stream_options")
-    if so is not None and not isinstance(so, dict):
-        raise APIError(400, "`stream_options` must be an object", param="stream_options")
-
-
 def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None) -> FastAPI:
     gw = Gateway(cfg, predictor)
 
@@ -742,5 +717,12 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
     async def metrics() -> Response:
         gw.refresh_gauges()
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def _openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi(app)
+        return app.openapi_schema
+
+    app.openapi = _openapi  # type: ignore[method-assign]
 
     return app

@@ -130,7 +130,7 @@ def slo_reference() -> str:
              "How a request states its SLO, generated from `gateway/slo.py`. Precedence, highest first: "
              "body fields, headers, `service_tier`, the API key's defaults, the tier's, the model's, the "
              "global default (`slo.default`). An API key's tier is authoritative and its `slo_floor` clamps "
-             "stricter asks. Values must be positive and at most a day; anything else is a 400 in the "
+             "stricter asks. Durations must lie between 1 ms and a day; anything else is a 400 in the "
              "OpenAI error shape. Our fields are removed before the request goes upstream.\n",
              "## Body fields (with the OpenAI SDK: `extra_body={...}`)\n",
              "| field | unit | meaning |", "|---|---|---|"]

@@ -81,8 +81,8 @@ def _ms(v: Any, param: str, scale: float = 1.0) -> float:
         x = float(v) * scale
     except ValueError:
         raise APIError(400, f"{param} must be a number, got {v!r}", param=param) from None
-    if not math.isfinite(x) or x <= 0 or x > MAX_MS:
-        raise APIError(400, f"{param} must be a positive number of at most {MAX_MS:.0f} ms, got {v!r}", param=param)
+    if not math.isfinite(x) or x < 1.0 or x > MAX_MS:
+        raise APIError(400, f"{param} must be between 1 and {MAX_MS:.0f} ms, got {v!r}", param=param)
     return x
 
 
