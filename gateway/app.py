@@ -23,7 +23,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,10 +66,24 @@ class Backend:
     view: ReplicaView
     name: str
     models: set[str] = field(default_factory=set)
+    # Attempts waiting for this replica's response headers: cut at once when its health check
+    # fails, so a hung (half-open, stopped) replica's requests move elsewhere in seconds.
+    waiting: set[asyncio.Timeout] = field(default_factory=set)
 
 
 class _Retryable(Exception):
     pass
+
+
+@dataclass
+class _Attempt:
+    """The upstream attempt a stream is reading now (a retry before the first token replaces it)."""
+
+    ticket: Ticket | None
+    resp: aiohttp.ClientResponse
+
+
+Reopen = Callable[[Ticket, dict[str, Any]], Awaitable[tuple[aiohttp.ClientResponse, Ticket]]]
 
 
 class Gateway:
@@ -103,13 +117,15 @@ class Gateway:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         total = sum(b.cfg.budget for b in self.backends)
+        self._answer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s, sock_read=self.cfg.first_byte_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                                     sock_read=self.cfg.stream_idle_timeout_s)
         self.client = aiohttp.ClientSession(
             # Idle upstream connections are dropped after 4 s, before vLLM's uvicorn drops them (5 s):
             # reusing one the engine is closing fails the request, and a retry could briefly put
             # one request too many on a replica that already had it.
             connector=aiohttp.TCPConnector(limit=total + 64, limit_per_host=0, keepalive_timeout=4),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s, sock_read=self.cfg.first_byte_timeout_s),
-            auto_decompress=False)
+            timeout=self._answer_timeout, auto_decompress=False)
         await asyncio.gather(*(self._check(b, discover=True) for b in self.backends))
         self._rebuild_groups()
         for adm in self.groups.values():
@@ -169,9 +185,21 @@ class Gateway:
             ok = False
         if ok != b.view.healthy:
             log.warning("backend %s is now %s", b.name, "healthy" if ok else "UNHEALTHY")
+        if not ok:
+            self._cut_waiting(b)
         b.view.healthy = ok
         self.metrics.healthy.labels(b.name).set(1 if ok else 0)
         self.metrics.budget.labels(b.name).set(b.view.budget)
+
+    def _cut_waiting(self, b: Backend) -> None:
+        """Nothing has reached the clients of requests still waiting for this replica's headers:
+        end their wait now (a TimeoutError in `_open`, which retries them elsewhere)."""
+        if b.waiting:
+            now = asyncio.get_running_loop().time()
+            for cm in list(b.waiting):
+                if cm.expired() is False:
+                    cm.reschedule(now)
+            log.warning("backend %s: %d waiting request(s) moved to other replicas", b.name, len(b.waiting))
 
     async def _health_loop(self) -> None:
         while True:
@@ -417,7 +445,12 @@ class Gateway:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()  # from here the StreamingResponse watches the client itself
         client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        gen = self._relay(adm, ticket, resp, led, labels, client_usage, first_bound)
+        big = body_size > JSON_IN_THREAD
+
+        async def reopen(t: Ticket, st: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Ticket]:
+            return await self._open(adm, t, kind, res, stream, big, st)
+
+        gen = self._relay(adm, ticket, resp, led, labels, client_usage, first_bound, reopen, res.waiting_s)
         return StreamingResponse(gen, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
@@ -464,12 +497,21 @@ class Gateway:
         holding a slot, the open response) current for the caller's cleanup."""
         assert self.client is not None
         attempt = 0
+        # A stream's headers come at once and its chunks keep coming: a silence longer than
+        # stream_idle_timeout_s is a stalled replica. A whole (non-streamed) answer may take long.
+        timeout = self._stream_timeout if stream else self._answer_timeout
         while True:
             b = self.backends[ticket.replica]  # type: ignore[index]
             body = self._upstream_body(b, kind, res, stream)
             content = await asyncio.to_thread(json.dumps, body) if big else json.dumps(body)
             try:
-                resp = await self.client.post(b.cfg.url + PATHS[kind], data=content, headers={"content-type": "application/json", **self._auth(b)})
+                async with asyncio.timeout(None) as cm:
+                    b.waiting.add(cm)
+                    try:
+                        resp = await self.client.post(b.cfg.url + PATHS[kind], data=content, timeout=timeout,
+                                                      headers={"content-type": "application/json", **self._auth(b)})
+                    finally:
+                        b.waiting.discard(cm)
                 if resp.status >= 500:
                     text = (await resp.read())[:200].decode("utf-8", "replace")
                     resp.release()
@@ -477,8 +519,10 @@ class Gateway:
                 st["resp"] = resp
                 return resp, ticket
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, _Retryable) as e:
-                if isinstance(e, aiohttp.ClientConnectorError | TimeoutError):
-                    b.view.healthy = False  # until the health check sees it answer again
+                if isinstance(e, aiohttp.ClientConnectionError | TimeoutError):
+                    # Refused, dropped or silent: out until its health check answers again (one
+                    # period), so the retry goes to another replica.
+                    b.view.healthy = False
                     self.metrics.healthy.labels(b.name).set(0)
                 adm.release(ticket, completed=False)
                 st.pop("ticket", None)
@@ -491,15 +535,16 @@ class Gateway:
                 ticket = st["ticket"] = await adm.acquire(ticket.req, max(res.waiting_s, 1.0))
 
     async def _relay(self, adm: Admission, t: Ticket, resp: aiohttp.ClientResponse, led: RequestLedger, labels: tuple[str, str, str],
-                     client_usage: bool, first_bound: float) -> AsyncIterator[bytes]:
+                     client_usage: bool, first_bound: float, reopen: Reopen | None = None, waiting_s: float = 1.0) -> AsyncIterator[bytes]:
         req = t.req
         outcome = "completed"
         pacer = Pacer(req.slo.tbt_s) if self.cfg.pacing and req.kind is SLOClass.LATENCY and req.slo.tbt_s else None
         exact: int | None = None
         exact_in: int | None = None
         counted = 0
+        cur = _Attempt(t, resp)
         try:
-            source = self._inspected(resp, adm, t)
+            source = self._upstream_events(adm, cur, reopen, waiting_s)
             items: AsyncIterator[tuple[bytes, EventInfo | None]] = (
                 paced(_triples(source), pacer) if pacer else _pairs(source))  # type: ignore[arg-type]
             async for ev, info in items:
@@ -520,6 +565,9 @@ class Gateway:
             outcome = "failed"
             log.warning("upstream stream broke after the first byte: %s", e)
             yield error_event(f"the upstream stream failed: {e!s}")
+        except APIError as e:  # a retry before the first token found no replica
+            outcome = "failed"
+            yield error_event(e.message)
         except asyncio.CancelledError:
             outcome = "cancelled"
             self.metrics.cancelled.labels(labels[0]).inc()
@@ -528,15 +576,49 @@ class Gateway:
             # Closing (not releasing) drops the connection unless the answer was read to the end,
             # so an engine stops generating for a client that left. Synchronous: no await for
             # Starlette's cancellation to interrupt.
-            if outcome == "completed" and resp.content.at_eof():
-                resp.release()
+            if outcome == "completed" and cur.resp.content.at_eof():
+                cur.resp.release()
             else:
-                resp.close()
+                cur.resp.close()
             if exact is not None and exact > counted:  # several tokens per chunk: count the rest at the end
                 now = time.monotonic()
                 for _ in range(exact - counted):
                     led.on_token(now)
-            self._settle(adm, t, led, labels, outcome, first_bound, exact_in)
+            if cur.ticket is not None:
+                self._settle(adm, cur.ticket, led, labels, outcome, first_bound, exact_in)
+            else:  # released when a retry found no replica
+                self.metrics.requests.labels(*labels, outcome).inc()
+
+    async def _upstream_events(self, adm: Admission, cur: _Attempt, reopen: Reopen | None,
+                               waiting_s: float) -> AsyncIterator[tuple[bytes, EventInfo | None, float]]:
+        """The replica's events; if it fails before the first token (the client has had headers
+        and keep-alives, no content), the request moves to another replica and goes on there."""
+        moves = 0
+        while True:
+            try:
+                async for item in self._inspected(cur.resp, adm, cur.ticket):  # type: ignore[arg-type]
+                    yield item
+                return
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                t = cur.ticket
+                if reopen is None or t is None or t.req.generated > 0 or moves >= self.cfg.retries:
+                    raise
+                moves += 1
+                b = self.backends[t.replica]  # type: ignore[index]
+                cur.resp.close()
+                b.view.healthy = False  # until its health check answers again
+                self.metrics.healthy.labels(b.name).set(0)
+                self.metrics.retries.labels(b.name).inc()
+                log.warning("stream on %s failed before its first token (%s): moving it", b.name, e)
+                adm.release(t, completed=False)
+                cur.ticket = None
+                t.req.dispatched_at = None
+                st: dict[str, Any] = {"ticket": await adm.acquire(t.req, max(waiting_s, 1.0))}
+                try:
+                    cur.resp, cur.ticket = await reopen(st["ticket"], st)
+                except BaseException:
+                    cur.ticket = st.get("ticket")  # what `_open` still holds (None once it gave up)
+                    raise
 
     async def _inspected(self, resp: aiohttp.ClientResponse, adm: Admission, t: Ticket) -> AsyncIterator[tuple[bytes, EventInfo | None, float]]:
         """Upstream events with what they carry, keeping the client alive while the first token is slow."""
@@ -548,9 +630,11 @@ class Gateway:
                 # Until the first token, read in slices and send keep-alive comments. `readany` is
                 # safe to cancel (the bytes stay buffered), and `asyncio.timeout` spawns no task.
                 try:
-                    async with asyncio.timeout(self.cfg.keepalive_s):
+                    async with asyncio.timeout(self.cfg.keepalive_s) as quiet:
                         chunk = await resp.content.readany()
                 except TimeoutError:
+                    if not quiet.expired():
+                        raise  # the replica's own idle timeout (aiohttp's): a stalled stream, not a pause
                     yield KEEPALIVE, None, time.monotonic()
                     continue
             else:

@@ -132,7 +132,9 @@ class GatewayConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; beyond: 413.")
     retries: int = Field(2, ge=0, le=10, description="Other replicas tried after a connect error or 5xx before the first byte.")
     connect_timeout_s: float = Field(3.0, gt=0, description="Upstream connect timeout, s.")
-    first_byte_timeout_s: float = Field(600.0, gt=0, description="Upstream read timeout, s: longest silence from a replica (first byte, then between chunks).")
+    first_byte_timeout_s: float = Field(600.0, gt=0, description="Non-streamed requests: longest wait for a replica's answer, s.")
+    stream_idle_timeout_s: float = Field(60.0, gt=0, description="Streamed requests: longest silence from a replica (headers, then between chunks), s; "
+                                         "before the first byte the request is retried elsewhere, after it the stream ends with an error event.")
     keepalive_s: float = Field(5.0, gt=0, description="A stream silent this long gets an SSE comment so proxies keep it open, s.")
     pacing: bool = Field(True, description="Pace latency-class streams on their TBT timeline (smooths bursts; never delays past the SLO).")
     health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")

@@ -294,6 +294,54 @@ def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() ->
         assert metric(gw.url, "slogate_replica_inflight") == 0
 
 
+def role_then_crash_backend() -> FastAPI:
+    """An engine that sends its headers and the role chunk, then dies before the first token."""
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    calls: list[int] = []
+    app.state.calls = calls
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> StreamingResponse:
+        calls.append(1)
+
+        async def gen():
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(0.05)
+            raise RuntimeError("engine crashed before the first token")
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_stream_that_fails_before_its_first_token_moves_to_another_replica() -> None:
+    bad = role_then_crash_backend()
+    with ExitStack() as st:
+        eng_bad = st.enter_context(ServerThread(bad))
+        eng_good = st.enter_context(ServerThread(create_engine_app(MODEL)))
+        # The failing replica first in the list and given all the room: round-robin tries it first.
+        cfg = gateway_cfg([eng_bad.url, eng_good.url], policies={"frame_s": 0.05, "ordering": "fcfs", "placement": "round-robin"})
+        gw = st.enter_context(ServerThread(create_app(cfg)))
+        texts = []
+        for _ in range(4):
+            out = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=5,
+                                                     extra_body={"ignore_eos": True})
+            texts.append("".join(ch.choices[0].delta.content or "" for ch in out if ch.choices))
+        assert all(t for t in texts)  # every stream completed, on the other replica
+        assert bad.state.calls, "the failing replica was never tried"
+        assert metric(gw.url, "slogate_requests_total", outcome="completed") == 4
+        assert metric(gw.url, "slogate_retries_total") >= 1
+        assert metric(gw.url, "slogate_replica_inflight") == 0
+
+
 def test_keepalive_comments_while_the_first_token_is_slow() -> None:
     app = streaming_backend(0.7, 0.0, crash=False)  # a slow prefill
     with ExitStack() as st:

@@ -1,0 +1,103 @@
+"""Backend faults with real processes: an engine killed mid-run and restarted, an engine frozen
+(SIGSTOP: it accepts connections and never answers, like a half-open or hung replica). Nothing
+is lost: requests not yet streaming move to another replica, streams cut off end with an OpenAI
+error event, none hangs, and the health checker removes and re-admits the replica."""
+
+from __future__ import annotations
+
+import signal
+import time
+from contextlib import ExitStack
+
+from faults import EngineProcess, Load, Watch
+from servers import ServerThread
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from predictors.online import OnlineLengthPredictor
+
+MODEL = "sim-model"
+
+
+def gateway_for(engines: list[EngineProcess], **kw: object) -> ServerThread:
+    cfg = GatewayConfig.model_validate({
+        "backends": [{"url": e.url, "name": n, "models": [MODEL], "budget": 6} for n, e in zip("ab", engines, strict=False)],
+        "policies": {"frame_s": 0.05}, "health_interval_s": 0.5, "pacing": False,
+        "slo": {"default": {"kind": "auto", "ttft_ms": 5000, "tbt_ms": 500, "deadline_ms": 30000, "waiting_ms": 20000}}, **kw})
+    return ServerThread(create_app(cfg, OnlineLengthPredictor()))
+
+
+def test_an_engine_killed_mid_run_and_restarted_loses_nothing() -> None:
+    with ExitStack() as st:
+        a = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
+        b = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
+        gw = st.enter_context(gateway_for([a, b]))
+        watch = Watch(gw.url, "slogate_replica_healthy", backend="a")
+        watch.start()
+        t0 = time.monotonic()
+        load = Load(gw.url, workers=12, stop_at=t0 + 8.0, max_tokens=40, stream_share=0.7).start()
+        time.sleep(2.0)
+        killed_at = time.monotonic()
+        a.kill()
+        time.sleep(2.5)
+        a.start()
+        restarted_at = time.monotonic()
+        assert load.join(timeout=40), "a request hung"
+        time.sleep(1.0)
+        watch.stop.set()
+        served_after_restart = a.metric("slogate_sim_finished_total")
+
+    out = load.outcomes
+    kinds = {k: sum(o.kind == k for o in out) for k in ("completed", "stream_error", "refused", "error")}
+    assert kinds["error"] == 0 and kinds["refused"] == 0, (kinds, [o.detail for o in out if o.kind in ("error", "refused")][:5])
+    # Only streams already running on the killed engine may fail, and they fail with an error event.
+    cut = [o for o in out if o.kind == "stream_error"]
+    assert len(cut) <= 6, kinds  # at most its budget was in flight there
+    assert all(o.started < killed_at and o.ended >= killed_at and "upstream" in o.detail for o in cut), cut
+    # Everything sent after the kill completed: retried elsewhere or waited for room.
+    after = [o for o in out if o.started > killed_at + 0.05]
+    assert after and all(o.kind == "completed" for o in after)
+    assert all(o.tokens == 40 for o in out if o.kind == "completed")
+    assert kinds["completed"] >= 50, kinds
+    # The health checker took it out within 2 s and put it back after the restart.
+    down = watch.first(killed_at, 0.0)
+    assert down is not None and down - killed_at <= 2.0, down and down - killed_at
+    assert watch.first(restarted_at, 1.0) is not None
+    assert served_after_restart > 0, "the restarted engine got no traffic"
+
+
+def test_a_frozen_engine_is_detected_by_timeouts_and_its_requests_move() -> None:
+    """SIGSTOP: the kernel still accepts connections, nothing answers. Streams already running on
+    it end after stream_idle_timeout_s with an error event; requests waiting for its headers are
+    moved when its health check fails (the non-streamed ones would otherwise wait 600 s)."""
+    with ExitStack() as st:
+        a = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
+        b = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
+        gw = st.enter_context(gateway_for([a, b], stream_idle_timeout_s=2.0))
+        watch = Watch(gw.url, "slogate_replica_healthy", backend="a")
+        watch.start()
+        t0 = time.monotonic()
+        load = Load(gw.url, workers=10, stop_at=t0 + 7.0, max_tokens=60, stream_share=0.5).start()
+        time.sleep(1.5)
+        stopped_at = time.monotonic()
+        a.signal(signal.SIGSTOP)
+        time.sleep(3.5)
+        a.signal(signal.SIGCONT)
+        resumed_at = time.monotonic()
+        assert load.join(timeout=40), "a request hung on the frozen engine"
+        time.sleep(1.0)
+        watch.stop.set()
+
+    out = load.outcomes
+    assert not [o for o in out if o.kind in ("error", "refused")], [(o.kind, o.detail) for o in out if o.kind in ("error", "refused")][:5]
+    cut = [o for o in out if o.kind == "stream_error"]
+    assert all(o.stream and o.started < stopped_at for o in cut)
+    # A stalled stream ends about stream_idle_timeout_s after its last token, not minutes later.
+    assert all(o.ended - stopped_at < 2.0 + 1.5 for o in cut), [round(o.ended - stopped_at, 2) for o in cut]
+    # Requests caught waiting on it (streamed or not) completed elsewhere, well before 600 s.
+    waiting = [o for o in out if o.started < stopped_at + 2.5 and o.ended > stopped_at and o.kind == "completed"]
+    assert waiting and max(o.ended - max(o.started, stopped_at) for o in waiting) < 6.0
+    assert any(not o.stream for o in waiting)
+    down = watch.first(stopped_at, 0.0)
+    assert down is not None and down - stopped_at <= 2.5, down and down - stopped_at  # 1.5 s check timeout + 0.5 s period
+    assert watch.first(resumed_at, 1.0) is not None
