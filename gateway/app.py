@@ -31,6 +31,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import Admission, Ticket
 from gateway.auth import Authenticator
@@ -745,6 +746,11 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
     @app.exception_handler(APIError)
     async def _api_error(_r: Request, e: APIError) -> JSONResponse:
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Routing errors (unknown path, wrong method) in the OpenAI shape too."""
+        return APIError(e.status_code, str(e.detail)).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_r: Request, e: RequestValidationError) -> JSONResponse:
