@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gateway.admission import Admission, Ticket
 from gateway.auth import Authenticator
@@ -461,11 +462,14 @@ class Gateway:
         if cl and cl.isdigit() and int(cl) > limit:
             raise APIError(413, f"request body exceeds {limit} bytes")
         chunks, size = [], 0
-        async for c in request.stream():
-            size += len(c)
-            if size > limit:
-                raise APIError(413, f"request body exceeds {limit} bytes")
-            chunks.append(c)
+        try:
+            async for c in request.stream():
+                size += len(c)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds {limit} bytes")
+                chunks.append(c)
+        except ClientDisconnect:
+            raise APIError(499, "the client disconnected while sending the request body") from None
         raw = b"".join(chunks)
         try:
             body = await asyncio.to_thread(json.loads, raw) if len(raw) > JSON_IN_THREAD else json.loads(raw)

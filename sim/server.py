@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel
 from router.request import SLO
@@ -179,6 +179,12 @@ class FixedLatencyEngine:
             self.aborted += 1
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _prompt_text(body: dict[str, Any]) -> str:
     if isinstance(body.get("messages"), list):
         parts = []
@@ -304,9 +310,24 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
             return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": fin}
 
         if not body.get("stream"):
-            n = 0
-            async for _ in toks:
-                n += 1
+            # Like vLLM's `with_cancellation`: a client that leaves aborts its sequence.
+            async def count() -> int:
+                n = 0
+                async for _ in toks:
+                    n += 1
+                return n
+
+            work = asyncio.ensure_future(count())
+            gone = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                await toks.aclose()  # type: ignore[attr-defined]
+                return Response(status_code=499)
+            n = work.result()
             return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
                     "choices": [piece("tok " * n, finish, whole=True)], "usage": _usage(n_in, n)}
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -25,9 +25,10 @@ MODEL = "sim-model"
 class EngineProcess:
     """`slogate engine` in its own process group, on a fixed port that survives restarts."""
 
-    def __init__(self, port: int | None = None, *args: str) -> None:
+    def __init__(self, port: int | None = None, *args: str, model: str = MODEL) -> None:
         self.port = port or free_port()
         self.args = args
+        self.model = model
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -36,7 +37,7 @@ class EngineProcess:
 
     def start(self) -> EngineProcess:
         self.proc = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "engine", "--port", str(self.port),
-                                      "--model", MODEL, *self.args], start_new_session=True,
+                                      "--model", self.model, *self.args], start_new_session=True,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
