@@ -40,12 +40,16 @@ class Track:
     base: np.ndarray | None = None
 
 
+MIN_DISTINCT_PROMPTS = 50
+
+
 @dataclass
 class OnlineStats:
     retrains: int = 0
     swaps: int = 0
     rejected: int = 0
     failures: int = 0
+    skipped: int = 0  # retrains not started: too few distinct prompts
     last_holdout: dict[str, float] = field(default_factory=dict)
 
 
@@ -140,6 +144,12 @@ class OnlineLengthPredictor:
             self._empirical = None  # refreshed every 64 observations: re-sorting per request would cost ms at 20k
         self._since_fit += 1
         if self._since_fit >= self.retrain_every and len(self.buffer) >= self.min_train_rows:
+            # Too few distinct prompts (a benchmark repeating one, a single system prompt) leave the
+            # cross-fitting folds empty and teach nothing: wait for more variety.
+            if len({p.text for p, _ in self.buffer}) < MIN_DISTINCT_PROMPTS:
+                self._since_fit = 0
+                self.stats.skipped += 1
+                return
             self.retrain()
 
     def retrain(self) -> bool:

@@ -192,6 +192,21 @@ def test_online_retraining_runs_in_the_background_and_swaps_atomically() -> None
     p.close()
 
 
+def test_retraining_waits_for_distinct_prompts() -> None:
+    """One prompt repeated (a benchmark, a fixed system prompt) cannot be cross-fitted: no retrain
+    is started (it used to fail in the worker with an empty fold, every time)."""
+    p = OnlineLengthPredictor(model=None, retrain_every=100, min_train_rows=100, executor=ThreadPoolExecutor(1))
+    for i in range(300):
+        p.observe(PromptInput("the same prompt"), 10 + i % 50)
+    assert p.stats.retrains == 0 and p.stats.skipped >= 2
+    for i in range(100):
+        p.observe(PromptInput(f"prompt number {i} about topic {i % 7}"), 10 + i % 50)
+    assert p.stats.retrains == 1
+    p.wait_idle(timeout=120)
+    assert p.stats.failures == 0
+    p.close()
+
+
 def test_a_worse_retrained_model_is_rejected(trained) -> None:
     m, _, _ = trained
     p = OnlineLengthPredictor(model=m)

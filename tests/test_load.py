@@ -1,0 +1,39 @@
+"""A thousand concurrent streaming clients through one gateway process (CI-sized; the 10-minute
+soak with the RSS fit is bench/load_soak.py): every stream completes with all its tokens and
+[DONE], no errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sim.fleet import MODEL, rss_mb, start_fleet, stop
+from sim.loadgen import closed_loop
+
+
+def test_a_thousand_concurrent_streams_through_one_gateway_all_complete() -> None:
+    clients, tokens = 1000, 20
+    procs, gw, url, _ = start_fleet(4, clients // 4 + 10, 100, 500, {"pacing": True})
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "load"}], "max_tokens": tokens, "stream": True,
+                "ignore_eos": True, "slo": {"kind": "latency", "ttft_ms": 5000, "tbt_ms": 1000}}
+        peak = 0
+
+        async def run():
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, rss_mb(gw.pid))
+                    await asyncio.sleep(1)
+            w = asyncio.create_task(watch())
+            rep = await closed_loop(url, clients, 12, body, timeout_s=90, ramp_s=5)
+            w.cancel()
+            return rep
+
+        rep = asyncio.run(run())
+    finally:
+        stop([gw, *procs])
+    s = rep.summary()
+    assert s["requests"] >= clients, s
+    assert s["completed"] == s["requests"], s  # no refusals, errors or broken streams
+    assert all(r.tokens == tokens for r in rep.results), "a stream lost tokens"
+    assert peak < 1024, f"gateway RSS {peak:.0f} MB"
