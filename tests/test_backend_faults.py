@@ -101,3 +101,47 @@ def test_a_frozen_engine_is_detected_by_timeouts_and_its_requests_move() -> None
     down = watch.first(stopped_at, 0.0)
     assert down is not None and down - stopped_at <= 2.5, down and down - stopped_at  # 1.5 s check timeout + 0.5 s period
     assert watch.first(resumed_at, 1.0) is not None
+
+
+def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path) -> None:
+    """A rolling update: SIGTERM stops new work, streams in flight complete, the process exits."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from gateway.serve import free_port
+    from sim.loadgen import stream_once
+
+    with ExitStack() as st:
+        e = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "50"))
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text(f"backends: [{{url: '{e.url}', models: [{MODEL}], budget: 16}}]\nshutdown_grace_s: 10\npacing: false\n")
+        port = free_port()
+        gw = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--config", str(cfg), "--port", str(port),
+                               "--log-level", "warning"], start_new_session=True)
+        try:
+            from test_multigateway import up
+
+            up(f"http://127.0.0.1:{port}/health")
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "stream": True, "ignore_eos": True}
+
+            async def run():
+                import aiohttp
+
+                async with aiohttp.ClientSession() as s:
+                    tasks = [asyncio.ensure_future(stream_once(s, f"http://127.0.0.1:{port}/v1/chat/completions", body, 30)) for _ in range(8)]
+                    await asyncio.sleep(0.5)  # streaming now, ~1.5 s to go
+                    t = time.monotonic()
+                    gw.send_signal(signal.SIGTERM)
+                    res = await asyncio.gather(*tasks)
+                    return res, t
+
+            res, term_at = asyncio.run(run())
+            gw.wait(15)
+            exited = time.monotonic() - term_at
+        finally:
+            if gw.poll() is None:
+                gw.kill()
+    assert all(r.status == 200 and r.complete and r.tokens == 40 for r in res), [(r.status, r.tokens, r.error) for r in res]
+    # uvicorn re-raises the signal after its graceful shutdown: -SIGTERM is the clean exit.
+    assert gw.returncode in (0, -signal.SIGTERM) and exited < 8, (gw.returncode, exited)
