@@ -48,6 +48,7 @@ from gateway.state.memory import MemoryStore
 from gateway.state.redis import RedisStore
 from predictors.features import prompt_from_body
 from predictors.online import OnlineLengthPredictor
+from router.capacity import CapacityLearner
 from router.goodput import RequestLedger
 from router.latency import PROFILES, BatchLatencyModel
 from router.registry import make_ordering, make_placement
@@ -71,6 +72,24 @@ class Backend:
     # Attempts waiting for this replica's response headers: cut at once when its health check
     # fails, so a hung (half-open, stopped) replica's requests move elsewhere in seconds.
     waiting: set[asyncio.Timeout] = field(default_factory=set)
+    learner: CapacityLearner | None = None
+    external: float = 0.0  # requests the engine holds that no gateway sent (from its /metrics)
+    kv_usage: float | None = None
+
+
+KV_FULL = 0.97  # vLLM's KV-cache use at which no more requests are sent there
+
+
+def _engine_gauges(text: str) -> tuple[float | None, float | None]:
+    """(running + waiting, KV-cache use) from vLLM's Prometheus text, summed over its models."""
+    held: float | None = None
+    kv: float | None = None
+    for line in text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            held = (held or 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
+            kv = max(kv or 0.0, float(line.rsplit(" ", 1)[1]))
+    return held, kv
 
 
 class _Retryable(Exception):
@@ -96,7 +115,8 @@ class Gateway:
         self.metrics = Metrics()
         self.workflows = WorkflowRegistry()
         coeffs = PROFILES[cfg.policies.profile]
-        self.backends = [Backend(b, ReplicaView(i, BatchLatencyModel(coeffs), budget=b.budget), b.name or b.url, set(b.models))
+        self.backends = [Backend(b, ReplicaView(i, BatchLatencyModel(coeffs), budget=b.budget), b.name or b.url, set(b.models),
+                                 learner=CapacityLearner(b.budget, margin=cfg.capacity.margin) if cfg.capacity.learn else None)
                          for i, b in enumerate(cfg.backends)]
         self.predictor = predictor
         self.groups: dict[str, Admission] = {}
@@ -129,6 +149,7 @@ class Gateway:
             connector=aiohttp.TCPConnector(limit=total + 64, limit_per_host=0, keepalive_timeout=4),
             timeout=self._answer_timeout, auto_decompress=False)
         await asyncio.gather(*(self._check(b, discover=True) for b in self.backends))
+        self._update_budgets()
         self._rebuild_groups()
         for adm in self.groups.values():
             adm.start()
@@ -191,7 +212,43 @@ class Gateway:
             self._cut_waiting(b)
         b.view.healthy = ok
         self.metrics.healthy.labels(b.name).set(1 if ok else 0)
-        self.metrics.budget.labels(b.name).set(b.view.budget)
+        if ok and self.cfg.capacity.engine_metrics and b.cfg.kind == "vllm":
+            await self._engine_load(b)
+
+    async def _engine_load(self, b: Backend) -> None:
+        """What vLLM itself reports: requests beyond ours (other clients) and KV-cache use."""
+        assert self.client is not None
+        try:
+            async with self.client.get(f"{b.cfg.url}/metrics", timeout=aiohttp.ClientTimeout(total=1.5), headers=self._auth(b)) as r:
+                if r.status != 200:
+                    return
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return
+        held, kv = _engine_gauges(text)
+        if held is not None:
+            now_ext = max(0.0, held - b.view.inflight)
+            b.external = 0.5 * b.external + 0.5 * now_ext  # smoothed: our counts and its scrape are not simultaneous
+        b.kv_usage = kv
+
+    def _update_budgets(self) -> None:
+        """Each replica's budget: the learned SLO-safe concurrency (capped by the configured
+        budget), less what other clients run there; none while its KV cache is full."""
+        now = time.monotonic()
+        for b in self.backends:
+            v = b.view
+            ext = int(b.external + 0.5)
+            learned = b.cfg.budget
+            if b.learner is not None:
+                reqs = (*v.decoding.values(), *v.prefill_queue.values())
+                target = min((r.slo.tbt_s for r in reqs if r.kind is SLOClass.LATENCY and r.slo.tbt_s), default=None)
+                learned = b.learner.update(now, target, v.inflight + ext)
+            budget = max(1, learned - ext)
+            if b.kv_usage is not None and b.kv_usage >= KV_FULL:
+                budget = max(1, min(budget, v.inflight))
+            v.budget = budget
+            self.metrics.budget.labels(b.name).set(budget)
+            self.metrics.external.labels(b.name).set(round(b.external, 2))
 
     def _cut_waiting(self, b: Backend) -> None:
         """Nothing has reached the clients of requests still waiting for this replica's headers:
@@ -207,6 +264,7 @@ class Gateway:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
             await asyncio.gather(*(self._check(b) for b in self.backends), return_exceptions=True)
+            self._update_budgets()
             self._rebuild_groups()
             self.refresh_gauges()
             self.workflows.expire(time.monotonic())
@@ -660,8 +718,11 @@ class Gateway:
                     elif t.req.last_token_at is not None and view.n_decode:
                         # Measured decode speed corrects the replica's latency model online (β).
                         n = view.n_decode
-                        view.model.observe((now - t.req.last_token_at) / info.tokens,
-                                           view.model.raw_decode_step_time(n, view.decode_kv // n * n))
+                        gap = (now - t.req.last_token_at) / info.tokens
+                        view.model.observe(gap, view.model.raw_decode_step_time(n, view.decode_kv // n * n))
+                        b = self.backends[t.replica]  # type: ignore[index]
+                        if b.learner is not None:
+                            b.learner.observe(n + int(b.external + 0.5), gap)
                     t.req.last_token_at = now
                     t.req.generated += info.tokens
                     adm.tokens(t, info.tokens)

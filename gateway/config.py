@@ -101,6 +101,15 @@ class StateConfig(_Strict):
     timeout_s: float = Field(0.25, gt=0, description="A slower Redis call counts as an outage (the gateway serves on local state).")
 
 
+class CapacityConfig(_Strict):
+    """Each replica's budget learned from measured inter-token times (router/capacity.py)."""
+
+    learn: bool = Field(True, description="Learn each replica's SLO-safe concurrency online; `backends[].budget` stays the upper bound.")
+    margin: float = Field(0.85, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
+    engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "
+                                 "each health check: traffic that bypasses the gateway takes from the budget; a full KV cache stops admission.")
+
+
 class KeyConfig(_Strict):
     """One API key, stored as the SHA-256 hex of the key (the key itself never is)."""
 
@@ -139,6 +148,7 @@ class GatewayConfig(_Strict):
     pacing: bool = Field(True, description="Pace latency-class streams on their TBT timeline (smooths bursts; never delays past the SLO).")
     health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")
     shutdown_grace_s: float = Field(30.0, gt=0, description="On SIGTERM, requests in flight get this long to finish before they are cut, s.")
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Learned per-replica budgets.")
     state: StateConfig = Field(default_factory=StateConfig, description="Where per-replica load is kept.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
 

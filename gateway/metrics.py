@@ -29,7 +29,10 @@ class Metrics:
         self.cancelled = Counter("slogate_cancelled_total", "Requests whose client disconnected", ["model"], registry=r)
         self.inflight = Gauge("slogate_replica_inflight", "Requests in flight per replica", ["backend"], registry=r)
         self.healthy = Gauge("slogate_replica_healthy", "1 if the replica passes health checks", ["backend"], registry=r)
-        self.budget = Gauge("slogate_replica_budget", "Concurrency budget per replica", ["backend"], registry=r)
+        self.budget = Gauge("slogate_replica_budget", "Concurrency budget per replica: learned SLO-safe concurrency, capped by the "
+                            "configured budget, less other clients' load", ["backend"], registry=r)
+        self.external = Gauge("slogate_replica_external_load", "Requests the engine reports beyond the gateways' own (vLLM /metrics)",
+                              ["backend"], registry=r)
         self.pred_bounds = Counter("slogate_predictor_bounds_total", "First length bounds judged at completion", ["model"], registry=r)
         self.pred_covered = Counter("slogate_predictor_covered_total", "First length bounds that covered the true length", ["model"], registry=r)
         self.overhead = Histogram("slogate_gateway_overhead_seconds", "Gateway time before the upstream request is sent, queue wait excluded",

@@ -1,0 +1,134 @@
+"""Learned budgets end to end: a replica whose inter-token time grows with its batch gets the
+concurrency that keeps streams within their TBT (a fixed budget lets every stream miss), and
+traffic that bypasses the gateway (seen in vLLM's /metrics) takes from the budget."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import ExitStack
+from typing import Any
+
+import aiohttp
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from faults import gauge
+from servers import ServerThread
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from sim.server import create_engine_app
+
+MODEL = "sim-model"
+
+
+def batching_engine(base_s: float, per_seq_s: float) -> FastAPI:
+    """An engine whose inter-token time is base + per_seq × (sequences running), like a
+    memory-bound decoder; vLLM-style /metrics."""
+    app = FastAPI()
+    state = {"running": 0}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        from fastapi.responses import PlainTextResponse
+
+        return PlainTextResponse(f'vllm:num_requests_running{{model_name="{MODEL}"}} {state["running"]}\n'
+                                 f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n')
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict[str, Any]) -> StreamingResponse:
+        async def gen():
+            state["running"] += 1
+            try:
+                for _ in range(body.get("max_tokens", 30)):
+                    await asyncio.sleep(base_s + per_seq_s * state["running"])
+                    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                             "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n".encode()
+                yield b'data: {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "sim-model", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'
+                yield b"data: [DONE]\n\n"
+            finally:
+                state["running"] -= 1
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+async def clients(url: str, n: int, seconds: float) -> list[float]:
+    """n closed-loop streaming clients; the inter-token gaps they saw in the last third."""
+    gaps: list[tuple[float, float]] = []
+    stop = time.monotonic() + seconds
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "stream": True,
+            "slo": {"kind": "latency", "ttft_ms": 10000, "tbt_ms": 50, "waiting_ms": 30000}}
+    async with aiohttp.ClientSession() as s:
+        async def loop() -> None:
+            while time.monotonic() < stop:
+                async with s.post(f"{url}/v1/chat/completions", json=body) as r:
+                    last = None
+                    async for line in r.content:
+                        if line.startswith(b"data:") and b'"content"' in line:
+                            now = time.monotonic()
+                            if last is not None:
+                                gaps.append((now, now - last))
+                            last = now
+        await asyncio.gather(*(loop() for _ in range(n)))
+    cut = stop - seconds / 3
+    return sorted(g for t, g in gaps if t >= cut)
+
+
+def run(learn: bool) -> tuple[float, float]:
+    with ExitStack() as st:
+        eng = st.enter_context(ServerThread(batching_engine(0.010, 0.005)))  # 10 ms + 5 ms per sequence
+        cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 32}],
+                                            "policies": {"frame_s": 0.05}, "health_interval_s": 0.5, "pacing": False,
+                                            "capacity": {"learn": learn}})
+        gw = st.enter_context(ServerThread(create_app(cfg)))
+        gaps = asyncio.run(clients(gw.url, 20, 15))
+        budget = gauge(gw.url, "slogate_replica_budget", backend="e")
+    return gaps[int(0.9 * (len(gaps) - 1))], budget or 0
+
+
+def test_a_learned_budget_keeps_streams_within_their_tbt_where_a_fixed_one_does_not() -> None:
+    p90_learned, budget = run(learn=True)
+    p90_fixed, cap = run(learn=False)
+    # Knee: 10 + 5n ms ≤ 0.85 × 50 ms → n ≤ 6. A fixed budget of 32 runs all 20 clients: 110 ms gaps.
+    assert 3 <= budget <= 8, budget
+    assert cap == 32
+    assert p90_learned <= 0.050 < p90_fixed, (p90_learned, p90_fixed)
+
+
+def test_traffic_that_bypasses_the_gateway_takes_from_the_budget() -> None:
+    with ExitStack() as st:
+        eng = st.enter_context(ServerThread(create_engine_app(MODEL, fixed_ttft_ms=10, fixed_itl_ms=100)))
+        cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 16}],
+                                            "policies": {"frame_s": 0.05}, "health_interval_s": 0.3})
+        gw = st.enter_context(ServerThread(create_app(cfg)))
+        assert gauge(gw.url, "slogate_replica_budget", backend="e") == 16
+
+        async def direct() -> None:  # six long streams straight to the engine
+            async with httpx.AsyncClient(timeout=30) as c:
+                async def one() -> None:
+                    async with c.stream("POST", f"{eng.url}/v1/chat/completions",
+                                        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40,
+                                              "stream": True, "ignore_eos": True}) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+                task = asyncio.gather(*(one() for _ in range(6)))
+                await asyncio.sleep(2.5)
+                seen.append(gauge(gw.url, "slogate_replica_external_load", backend="e") or 0)
+                seen.append(gauge(gw.url, "slogate_replica_budget", backend="e") or 0)
+                await task
+
+        seen: list[float] = []
+        asyncio.run(direct())
+        time.sleep(2.0)
+        after = gauge(gw.url, "slogate_replica_budget", backend="e")
+    assert seen[0] >= 5 and seen[1] <= 11, seen  # 16 less the ~6 that bypassed it
+    assert after is not None and after >= 15  # and back once they are gone
