@@ -288,6 +288,10 @@ def serve(
             cfg.backends = [BackendConfig(url=u) for u in backend]
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--backend") from e
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     n_sim = sim_engines if not cfg.backends else 0
     if n_sim:
         console.print(f"no backend configured: starting {n_sim} simulated engines (model 'sim-model')")

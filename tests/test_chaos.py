@@ -37,12 +37,13 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
         cfg.write_text("backends:\n" + "".join(f"  - {{url: {e.url}, name: e{i}, models: [{MODEL}], budget: {BUDGET}}}\n"
                                                for i, e in enumerate(engines))
                        + f"state: {{kind: redis, url: 'redis://127.0.0.1:{rport}/0', prefix: chaos{time.monotonic_ns()}, sync_s: 0.05, lease_s: 5}}\n"
-                       + "health_interval_s: 0.5\nstream_idle_timeout_s: 3\npacing: false\n")
+                       + "health_interval_s: 0.5\nstream_idle_timeout_s: 3\npacing: false\nshutdown_grace_s: 10\n")
         urls = []
         for _ in range(2):
             p = free_port()
+            errlog = open(tmp_path / f"gw{p}.log", "wb")  # noqa: SIM115 - the process's lifetime
             gateways.append(subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--config", str(cfg),
-                                              "--port", str(p), "--log-level", "error"], start_new_session=True))
+                                              "--port", str(p), "--log-level", "error"], start_new_session=True, stderr=errlog))
             urls.append(f"http://127.0.0.1:{p}")
         try:
             for u in urls:
@@ -59,7 +60,14 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
             for g in gateways:
                 g.send_signal(signal.SIGTERM)
             for g in gateways:
-                g.wait(20)
+                try:
+                    g.wait(25)  # shutdown_grace_s (10) and then some
+                except subprocess.TimeoutExpired:
+                    g.send_signal(signal.SIGUSR1)  # dump its stacks, then fail with them
+                    time.sleep(1)
+                    g.kill()
+                    logs = "\n".join(p.read_text(errors="replace")[-6000:] for p in tmp_path.glob("gw*.log"))
+                    raise AssertionError("a gateway did not exit within 25 s of SIGTERM:\n" + logs) from None
             redis["proc"].terminate()
             redis["proc"].wait(10)
 
@@ -82,7 +90,10 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert kinds["completed"] >= 0.8 * len(results), kinds
     assert all(v == 0 for v in settled.values()), settled  # no slot held in any gateway's view
     assert running == [0, 0, 0], running  # nor at the engines
-    assert max(peaks) <= BUDGET + 1, peaks  # budgets held across the Redis outage (known margin: one)
+    # Budgets held across the Redis outage (known margin: one). The engine that was frozen is not
+    # judged: requests given up on while it was stopped sit in its socket buffers, and it starts
+    # them when it resumes, until it sees their connections closed.
+    assert max(peaks[0], peaks[2]) <= BUDGET + 1, peaks
     assert serves == [200, 200]
 
 

