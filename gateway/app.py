@@ -815,7 +815,9 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
         """Routing errors (unknown path, wrong method) in the OpenAI shape too."""
-        return APIError(e.status_code, str(e.detail)).response()
+        resp = APIError(e.status_code, str(e.detail)).response()
+        resp.headers.update(e.headers or {})  # e.g. Allow on a 405 (RFC 9110)
+        return resp
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_r: Request, e: RequestValidationError) -> JSONResponse:

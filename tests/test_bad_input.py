@@ -128,7 +128,9 @@ def test_an_oversized_body_without_content_length_is_cut_off(gw) -> None:
 
 
 def test_wrong_method_and_path_are_openai_errors_too(gw) -> None:
-    assert_openai_error(httpx.get(gw.url + PATHS["chat"]), 405)
+    r = httpx.get(gw.url + PATHS["chat"])
+    assert_openai_error(r, 405)
+    assert r.headers["allow"] == "POST"
     assert_openai_error(httpx.post(gw.url + "/v1/embeddings-nope", content=b"{}"), 404)
 
 
