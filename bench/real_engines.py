@@ -85,7 +85,8 @@ def start_vllm(py: str, model: Path, n: int, log_dir: Path) -> tuple[list[subpro
 def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if system == "vllm-router":
-        p = subprocess.Popen(["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "round_robin"],
+        p = subprocess.Popen(["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "round_robin",
+                              "--prometheus-port", str(free_port())],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/v1/models", timeout=60)
@@ -125,10 +126,18 @@ async def one(c: openai.AsyncOpenAI, i: int, n_in: int, n_out: int, kind: str, r
     status = 200
     try:
         stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt(n_in, rng)}], max_tokens=n_out,
-                                                 stream=True, extra_body={"ignore_eos": True, "slo": slo})
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True, "slo": slo})
+        usage = 0
         async for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 times.append(time.monotonic())
+            if ch.usage is not None:
+                usage = ch.usage.completion_tokens
+        # A random-weight model emits tokens that detokenize to nothing (no chunk): the rest of
+        # the usage count is delivered with the last chunk, as the gateway counts it.
+        if times and usage > len(times):
+            times += [times[-1]] * (usage - len(times))
     except openai.APIStatusError as e:
         status = e.status_code
     except openai.APIError:
