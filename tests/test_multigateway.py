@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from gateway.serve import free_port
+from sim.fleet import wait_http
 
 MODEL = "sim-model"
 BUDGET = 4
@@ -27,15 +28,7 @@ def spawn(args: list[str]) -> subprocess.Popen[bytes]:
 
 
 def up(url: str, timeout: float = 30) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up")
+    wait_http(url, timeout)
 
 
 def gauge(url: str, name: str) -> float:
