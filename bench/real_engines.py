@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import yaml
 
@@ -157,8 +158,24 @@ def judge(r: dict) -> tuple[float, bool]:
     return led.token_goodput(), led.attained()
 
 
-async def replay(url: str, rate: float, duration: float, lengths: list[tuple[int, int]], seed: int) -> list[dict]:
+async def sample_budgets(url: str, out: list[float]) -> None:
+    """The gateway's per-replica budgets (summed over replicas), once a second."""
+    async with httpx.AsyncClient(timeout=2) as c:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                text = (await c.get(f"{url}/metrics")).text
+            except httpx.HTTPError:
+                continue
+            vals = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("slogate_replica_budget{")]
+            if vals:
+                out.append(sum(vals))
+
+
+async def replay(url: str, rate: float, duration: float, lengths: list[tuple[int, int]], seed: int,
+                 budgets: list[float] | None = None) -> list[dict]:
     rng = random.Random(seed)
+    sampler = asyncio.create_task(sample_budgets(url, budgets)) if budgets is not None else None
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     tasks = []
     t_end = time.monotonic() + duration
@@ -172,6 +189,8 @@ async def replay(url: str, rate: float, duration: float, lengths: list[tuple[int
         i += 1
         nxt += rng.expovariate(rate)
     out = await asyncio.gather(*tasks)
+    if sampler is not None:
+        sampler.cancel()
     await c.close()
     return out
 
@@ -184,7 +203,8 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
     proc, url = start_router(system, urls, tmp)
     try:
         cpu0, t0 = cpu_s(proc.pid), time.monotonic()
-        res = asyncio.run(replay(url, rate, duration, load_lengths(seed), seed))
+        budgets: list[float] | None = [] if system == "slogate" else None
+        res = asyncio.run(replay(url, rate, duration, load_lengths(seed), seed, budgets))
         wall = time.monotonic() - t0
         cpu = cpu_s(proc.pid) - cpu0
     finally:
@@ -201,7 +221,8 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
             "attainment": round(att / max(len(res), 1), 3), "token_goodput": round(gp / duration, 1),
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tbt_p95": pct(tbt, 0.95),
-            "router_cpu_share": round(cpu / wall, 3), "wall_s": round(wall, 1)}
+            "router_cpu_share": round(cpu / wall, 3), "wall_s": round(wall, 1),
+            "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None}
 
 
 def main() -> None:

@@ -11,7 +11,14 @@ the largest n whose inter-token time still meets the streams' TBT target, learne
   budget: the largest n with a + b·n ≤ margin · target;
 - until the line is trustworthy (three distinct n, a positive slope), and for n beyond what it
   has seen, the budget moves additively: +1 while the replica is full and fast, ×0.8 when the
-  recent gaps exceed the target (AIMD), so it finds the knee even on an engine nobody profiled.
+  recent gaps exceed the target on average (AIMD), so it finds the knee even on an engine
+  nobody profiled.
+
+The SLOs are cumulative (token i is due by TTFT + i·TBT), so what must hold is the average pace,
+not every gap: a step that carries another request's prefill stalls every stream in it for a
+moment, and on a CPU engine those stalls are several times the target. Reacting to the tail of
+the gaps (as a first version did) read every arrival as overload, shrank the budget far below
+the knee and queued requests the replica could have served on time.
 
 The configured budget stays an upper bound. Pure: time is an argument.
 """
@@ -97,7 +104,7 @@ class CapacityLearner:
             seen = max(self.bins, default=1)
             # Trust the line where it has data; beyond it, probe a step at a time.
             self.budget = max(1, min(by_fit, seen + max(1, seen // 8), self.cap))
-        slow = sorted(recent)[int(0.9 * (len(recent) - 1))] if len(recent) >= 10 else None
+        slow = sum(recent) / len(recent) if len(recent) >= 10 else None  # the pace streams get (see above)
         if slow is not None and slow > target_s:
             self.budget = max(1, min(self.budget, int(inflight * 0.8)))  # multiplicative decrease
         elif self.fit is None and inflight >= self.budget and (slow is None or slow < goal):

@@ -59,3 +59,17 @@ def test_without_a_tbt_target_it_fills_up_to_the_cap_when_full() -> None:
     for t in range(10):
         lr.update(float(t), None, lr.budget)
     assert lr.budget == 8
+
+
+def test_prefill_stalls_in_the_tail_do_not_read_as_overload() -> None:
+    # One gap in ten carries another request's prefill and is 4× long: the p90 gap is far past
+    # the target at any n ≥ 4, but the pace streams get (the mean, 1.3 × ITL) only past n ≈ 13.
+    rng = random.Random(1)
+
+    def spiky(n: int) -> float:
+        return (0.005 + 0.002 * n) * (4.0 if rng.random() < 0.1 else 1.0)
+
+    lr = CapacityLearner(cap=64)
+    b = drive(lr, spiky, 60, 0.050)
+    assert 11 <= b[-1] <= 15, b[-10:]
+    assert min(b[20:]) >= 9, b  # no collapse towards one-at-a-time
