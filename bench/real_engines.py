@@ -233,6 +233,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--duration", type=float, default=60)
     ap.add_argument("--systems", default="slogate,passthrough,vllm-router")
+    ap.add_argument("--warmup", type=float, default=20, help="seconds of traffic straight to each engine before measuring")
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
@@ -244,6 +245,14 @@ def main() -> None:
     procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp)
     rows = []
     try:
+        # A fresh engine's first requests run slow (allocation, caches): warm every replica with
+        # the same traffic, straight to it, so no system measures a cold engine.
+        async def warm() -> None:
+            await asyncio.gather(*(replay(u, 1.0, a.warmup, load_lengths(99), 99) for u in urls))
+
+        if a.warmup > 0:
+            asyncio.run(warm())
+            time.sleep(2)
         for rep in range(a.repeats):
             for rate in [float(x) for x in a.rates.split(",")]:
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]  # rotate: no system always goes first

@@ -42,13 +42,13 @@ from gateway.metrics import Metrics
 from gateway.pacing import Pacer, paced
 from gateway.schema import openapi, validate_body
 from gateway.slo import Resolved, WorkflowRegistry, resolve
-from gateway.sse import KEEPALIVE, EventInfo, EventSplitter, error_event, inspect
+from gateway.sse import KEEPALIVE, USAGE_FIELD, EventInfo, EventSplitter, error_event, inspect
 from gateway.state.base import Entry, SlotStore, StateUnavailable
 from gateway.state.memory import MemoryStore
 from gateway.state.redis import RedisStore
 from predictors.features import prompt_from_body
 from predictors.online import OnlineLengthPredictor
-from router.capacity import CapacityLearner
+from router.capacity import CapacityLearner, affordable_pace
 from router.goodput import RequestLedger
 from router.latency import PROFILES, BatchLatencyModel
 from router.registry import make_ordering, make_placement
@@ -240,9 +240,12 @@ class Gateway:
             ext = int(b.external + 0.5)
             learned = b.cfg.budget
             if b.learner is not None:
-                reqs = (*v.decoding.values(), *v.prefill_queue.values())
-                target = min((r.slo.tbt_s for r in reqs if r.kind is SLOClass.LATENCY and r.slo.tbt_s), default=None)
+                target = affordable_pace(now, (*v.decoding.values(), *v.prefill_queue.values()))
                 learned = b.learner.update(now, target, v.inflight + ext)
+                if log.isEnabledFor(logging.DEBUG):
+                    lr = b.learner
+                    log.debug("budget %s: %d (target %s s/token, holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s)",
+                              b.name, learned, target, v.inflight, ext, lr.fit, lr.stall, lr.pace)
             budget = max(1, learned - ext)
             if b.kv_usage is not None and b.kv_usage >= KV_FULL:
                 budget = max(1, min(budget, v.inflight))
@@ -504,7 +507,8 @@ class Gateway:
         finally:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()  # from here the StreamingResponse watches the client itself
-        client_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        so = body.get("stream_options") or {}
+        client_usage = (bool(so.get("include_usage")), bool(so.get("include_usage") and so.get("continuous_usage_stats")))
         big = body_size > JSON_IN_THREAD
 
         async def reopen(t: Ticket, st: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Ticket]:
@@ -551,6 +555,11 @@ class Gateway:
         if stream and kind != "responses":
             so = dict(body.get("stream_options") or {})
             so["include_usage"] = True  # exact token counts
+            if b.cfg.kind != "openai":
+                # The running count in every chunk: an engine sends no chunk for a token that
+                # detokenizes to nothing (part of a character), so one chunk can carry several
+                # tokens, and the gaps the capacity learner measures must be per token.
+                so["continuous_usage_stats"] = True
             body["stream_options"] = so
         return body
 
@@ -598,7 +607,10 @@ class Gateway:
                 ticket = st["ticket"] = await adm.acquire(ticket.req, max(res.waiting_s, 1.0))
 
     async def _relay(self, adm: Admission, t: Ticket, resp: aiohttp.ClientResponse, led: RequestLedger, labels: tuple[str, str, str],
-                     client_usage: bool, first_bound: float, reopen: Reopen | None = None, waiting_s: float = 1.0) -> AsyncIterator[bytes]:
+                     client_usage: tuple[bool, bool], first_bound: float, reopen: Reopen | None = None,
+                     waiting_s: float = 1.0) -> AsyncIterator[bytes]:
+        """`client_usage`: whether the client asked for the final usage chunk, and for usage in
+        every chunk (which the gateway asks for itself and otherwise strips)."""
         req = t.req
         outcome = "completed"
         pacer = Pacer(req.slo.tbt_s) if self.cfg.pacing and req.kind is SLOClass.LATENCY and req.slo.tbt_s else None
@@ -616,8 +628,10 @@ class Gateway:
                         exact = info.usage_out
                     if info.usage_in:
                         exact_in = info.usage_in
-                    if info.usage_only and not client_usage:
+                    if info.usage_only and not client_usage[0]:
                         continue
+                    if info.usage_out is not None and not info.usage_only and not client_usage[1]:
+                        ev = USAGE_FIELD.sub(b"", ev)
                     if info.tokens:
                         now = time.monotonic()
                         for _ in range(info.tokens):
@@ -708,6 +722,8 @@ class Gateway:
                 events, done = sp.rest(), True
             for ev in events:
                 info = inspect(ev)
+                if info.usage_out is not None and not info.usage_only and info.usage_out > t.req.generated:
+                    info.tokens = info.usage_out - t.req.generated  # several tokens in one chunk (see _upstream_body)
                 if info.tokens:
                     now = time.monotonic()
                     view = self.backends[t.replica].view  # type: ignore[index]

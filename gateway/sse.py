@@ -1,13 +1,14 @@
 """Server-sent events from OpenAI-compatible engines: split, inspect, and build.
 
 The gateway forwards each upstream event's bytes unchanged; it only looks inside to count
-tokens (one per content delta; the final usage chunk gives the exact count) and to drop the
-usage chunk it asked for when the client did not.
+tokens (one per content delta, or the running usage count where the engine sends one; the final
+usage chunk gives the exact count) and to drop the usage it asked for when the client did not.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,11 @@ class EventInfo:
     usage_only: bool = False  # a chunk with no choices that only reports usage
     done: bool = False  # data: [DONE]
     error: bool = False
+
+
+# A chunk's `"usage": {...}` member (one level of nesting: prompt_tokens_details), to strip the
+# per-chunk usage the gateway asked for when the client did not.
+USAGE_FIELD = re.compile(rb',\s*"usage":\s*(?:null|\{(?:[^{}]|\{[^{}]*\})*\})')
 
 
 class EventSplitter:

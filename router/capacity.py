@@ -2,23 +2,27 @@
 
 vLLM admits everything it is sent: past saturation its batch grows and every stream misses its
 time-between-tokens target at once. The gateway therefore keeps a replica's in-flight count at
-the largest n whose inter-token time still meets the streams' TBT target, learned online:
+the largest n whose pace still meets the streams' TBT target, learned online. Two costs set the
+pace a stream gets when the replica holds n of them (the batch latency model, PROSERVE eq. 4–7,
+fitted to this replica instead of a profile):
 
-- every measured token gap is an observation (n decoding sequences → seconds per token),
-  averaged per n with exponential forgetting (the engine, its model and its neighbours change);
-- a weighted least-squares line ITL(n) = a + b·n through those averages (the batch latency
-  model's decode term, PROSERVE eq. 5, fitted to this replica instead of a profile) gives the
-  budget: the largest n with a + b·n ≤ margin · target;
-- until the line is trustworthy (three distinct n, a positive slope), and for n beyond what it
-  has seen, the budget moves additively: +1 while the replica is full and fast, ×0.8 when the
-  recent gaps exceed the target on average (AIMD), so it finds the knee even on an engine
-  nobody profiled.
+- the decode step, ITL(n) = a + b·n: fitted by weighted least squares through the *median* gap
+  seen at each n (recent gaps per n, exponential forgetting: the engine, its model and its
+  neighbours change). The median, because
+- the prefills of the requests that replace finished ones stall every stream in their step, on
+  a CPU engine for several times the target. They are rare (most steps are clean, so they leave
+  the median alone) but they count: the SLOs are cumulative (token i is due by TTFT + i·TBT),
+  so the *mean* pace is what must hold. Each stream brings one prefill per answer, so their
+  cost per token grows with n too: s·n, s estimated from how far the gaps' mean lies above the
+  decode line, per stream held.
 
-The SLOs are cumulative (token i is due by TTFT + i·TBT), so what must hold is the average pace,
-not every gap: a step that carries another request's prefill stalls every stream in it for a
-moment, and on a CPU engine those stalls are several times the target. Reacting to the tail of
-the gaps (as a first version did) read every arrival as overload, shrank the budget far below
-the knee and queued requests the replica could have served on time.
+The budget is the largest n with a + (b + s)·n ≤ margin · target. Until the line is trustworthy
+(three distinct n, a positive slope), and for n beyond what it has seen, the budget moves
+additively: +1 while the replica is full and fast; and whenever the smoothed mean pace exceeds
+the target (with a fit: by a quarter, as the fit already prices the prefills) it drops to
+0.8 × what the replica holds (AIMD), so it finds the knee even on an engine nobody profiled. (A first version fitted per-n means and backed off on the p90 gap: the
+prefill stalls dominated both, every arrival read as overload, and the budget collapsed far
+below the knee while the replica could have served the queue on time.)
 
 The configured budget stays an upper bound. Pure: time is an argument.
 """
@@ -26,29 +30,36 @@ The configured budget stays an upper bound. Pure: time is an argument.
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from statistics import median
+
+from router.request import Request, SLOClass
 
 
 @dataclass
 class _Bin:
-    mean: float = 0.0
-    weight: float = 0.0
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # the latest gaps at this n
+    weight: float = 0.0  # how much the fit trusts this n: grows with observations, fades with time
 
 
 @dataclass
 class CapacityLearner:
     cap: int  # the configured budget: never exceeded
     start: int | None = None  # None: start at the cap (a fixed budget until the replica shows it is slow)
-    margin: float = 0.85  # aim below the target: a gap's spread and the next arrival's prefill
-    forget: float = 0.02  # weight a bin's average loses per new observation in it (recency)
+    margin: float = 0.85  # aim below the target: the pace's spread from one second to the next
     decay: float = 0.1  # weight every bin loses per update: what was seen a minute ago hardly counts
     min_weight: float = 5.0  # observations before a bin counts in the fit
+    smooth: float = 0.3  # weight of the newest second in the smoothed pace and prefill cost
     budget: int = 0
     bins: dict[int, _Bin] = field(default_factory=dict)
     recent: list[float] = field(default_factory=list)  # gaps since the last update (seconds per token)
     recent_n: list[int] = field(default_factory=list)
     last_update: float = -math.inf
-    fit: tuple[float, float] | None = None  # (a, b) of ITL(n) = a + b·n
+    fit: tuple[float, float] | None = None  # (a, b) of the decode step ITL(n) = a + b·n
+    stall: float = 0.0  # s: prefill cost per token per stream held (seconds)
+    pace: float | None = None  # smoothed mean gap (seconds per token)
 
     def __post_init__(self) -> None:
         self.budget = max(1, min(self.cap if self.start is None else self.start, self.cap))
@@ -58,13 +69,13 @@ class CapacityLearner:
         if n <= 0 or not (0 < gap_s < 60):
             return
         b = self.bins.setdefault(n, _Bin())
-        b.weight = b.weight * (1 - self.forget) + 1
-        b.mean += (gap_s - b.mean) / b.weight
+        b.gaps.append(gap_s)
+        b.weight = min(b.weight + 1, b.gaps.maxlen or 64)  # no more trust than gaps kept
         self.recent.append(gap_s)
         self.recent_n.append(n)
 
     def _line(self) -> tuple[float, float] | None:
-        pts = [(n, b.mean, b.weight) for n, b in self.bins.items() if b.weight >= self.min_weight]
+        pts = [(n, median(b.gaps), b.weight) for n, b in self.bins.items() if b.weight >= self.min_weight]
         if len(pts) < 3 or max(p[0] for p in pts) - min(p[0] for p in pts) < 2:
             return None
         sw = sum(w for _, _, w in pts)
@@ -78,14 +89,17 @@ class CapacityLearner:
             return None  # no visible cost of batching yet: the data do not locate the knee
         return my - slope * mx, slope
 
+    def _ew(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smooth) * old + self.smooth * new
+
     def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0) -> int:
         """Re-decide the budget (at most once per `period_s`) for streams that need `target_s`
         per token (None: no stream in flight has a TBT target); `inflight`: what the replica holds."""
         if now - self.last_update < period_s:
             return self.budget
         self.last_update = now
+        recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
         if target_s is None:
-            self.recent, self.recent_n = [], []
             if inflight >= self.budget:
                 self.budget = min(self.cap, self.budget + 1)
             return self.budget
@@ -94,19 +108,58 @@ class CapacityLearner:
             self.bins[n].weight *= 1 - self.decay
             if self.bins[n].weight < 0.5:
                 del self.bins[n]
-        recent, self.recent, self.recent_n = self.recent, [], []
         line = self._line()
         if line is not None:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
+        if len(recent) >= 10:
+            self.pace = self._ew(self.pace, sum(recent) / len(recent))
+            if self.fit is not None:
+                a, b = self.fit
+                excess = sum(recent) - sum(a + b * n for n in recent_n)
+                # Slower than the pace: one long prompt is a moment, not a new cost per stream.
+                self.stall = max(0.0, (1 - self.smooth / 3) * self.stall + self.smooth / 3 * excess / sum(recent_n))
         if self.fit is not None:
             a, b = self.fit
-            by_fit = int((goal - a) / b) if goal > a else 1
+            slope = b + self.stall
+            by_fit = int((goal - a) / slope) if goal > a else 1
             seen = max(self.bins, default=1)
-            # Trust the line where it has data; beyond it, probe a step at a time.
-            self.budget = max(1, min(by_fit, seen + max(1, seen // 8), self.cap))
-        slow = sum(recent) / len(recent) if len(recent) >= 10 else None  # the pace streams get (see above)
-        if slow is not None and slow > target_s:
+            # Trust the line where it has data; beyond it, grow a step at a time (an unseen n is
+            # no evidence against a budget already there, so that one stays).
+            self.budget = max(1, min(by_fit, self.cap, max(self.budget, seen + max(1, seen // 8))))
+        # With a fit, the prefill term already follows the pace; a burst of long prompts is
+        # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
+        # plainly wrong.
+        over = target_s if self.fit is None else 1.25 * target_s
+        if self.pace is not None and self.pace > over and len(recent) >= 10:
             self.budget = max(1, min(self.budget, int(inflight * 0.8)))  # multiplicative decrease
-        elif self.fit is None and inflight >= self.budget and (slow is None or slow < goal):
+        elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
         return self.budget
+
+
+def affordable_pace(now: float, reqs: Iterable[Request], headroom: float = 1.5) -> float | None:
+    """The seconds per token that the latency streams on a replica can afford from now on.
+
+    Their SLOs are cumulative: a stream whose first token came early, or whose tokens have run
+    ahead of TTFT + i·TBT, may go slower than TBT and still deliver every token on time. Each
+    stream can afford (due time of its last token − now) / tokens left (the predictor's upper
+    bound); the replica gets the 10th percentile of that over its streams, never below the
+    tightest TBT (so never stricter than a fixed target) and at most `headroom` × it. Streams
+    already past their due time are left out: slowing the others cannot save them. None: no
+    stream in flight has a TBT target."""
+    tbts, afford = [], []
+    for r in reqs:
+        if r.kind is not SLOClass.LATENCY or not r.slo.tbt_s or r.slo.ttft_s is None:
+            continue
+        tbts.append(r.slo.tbt_s)
+        left = max(r.len_bound, 1.0)
+        a = (r.arrival + r.slo.ttft_s + (r.generated + left) * r.slo.tbt_s - now) / left
+        if a > 0:
+            afford.append(a)
+    if not tbts:
+        return None
+    floor = min(tbts)
+    if not afford:
+        return floor
+    afford.sort()
+    return min(max(afford[int(0.1 * (len(afford) - 1))], floor), headroom * floor)

@@ -3,7 +3,8 @@
 The simulator's `EngineSim` (continuous batching, chunked prefill, KV blocks, recompute
 preemption; step time from the batch latency model) is stepped by an asyncio task on the wall
 clock, so token timing reacts to load as a real engine's does. It serves `/v1/chat/completions`,
-`/v1/completions` and `/v1/responses` (streaming and not, `stream_options.include_usage`),
+`/v1/completions` and `/v1/responses` (streaming and not, `stream_options.include_usage` and
+`continuous_usage_stats`),
 `/v1/models`, `/health` and vLLM-style `/metrics` (`vllm:num_requests_running`,
 `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`). Like vLLM it honours `max_tokens`,
 `ignore_eos` (exact lengths) and, with priority scheduling on, the `priority` field (lower
@@ -330,7 +331,9 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
             n = work.result()
             return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
                     "choices": [piece("tok " * n, finish, whole=True)], "usage": _usage(n_in, n)}
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        so = body.get("stream_options") or {}
+        include_usage = bool(so.get("include_usage"))
+        continuous = include_usage and bool(so.get("continuous_usage_stats"))  # vLLM: the running count in every chunk
 
         async def stream() -> AsyncIterator[bytes]:
             base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
@@ -339,7 +342,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
             async for _ in toks:
                 n += 1
-                yield _sse({**base, "choices": [piece("tok ", None)]})
+                yield _sse({**base, "choices": [piece("tok ", None)], **({"usage": _usage(n_in, n)} if continuous else {})})
             yield _sse({**base, "choices": [piece(None, finish)]})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(n_in, n)})

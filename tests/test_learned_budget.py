@@ -24,11 +24,15 @@ from sim.server import create_engine_app
 MODEL = "sim-model"
 
 
-def batching_engine(base_s: float, per_seq_s: float) -> FastAPI:
+def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> FastAPI:
     """An engine whose inter-token time is base + per_seq × (sequences running), like a
-    memory-bound decoder; vLLM-style /metrics."""
+    memory-bound decoder; vLLM-style /metrics. With `silent_every` = k, every k-th token sends
+    no chunk (as vLLM does for a token that detokenizes to nothing) and, when asked
+    (`continuous_usage_stats`), each chunk carries the running usage count."""
     app = FastAPI()
     state = {"running": 0}
+    seen: list[dict[str, Any]] = []
+    app.state.stream_options = seen
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -43,13 +47,20 @@ def batching_engine(base_s: float, per_seq_s: float) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict[str, Any]) -> StreamingResponse:
+        so = body.get("stream_options") or {}
+        seen.append(so)
+
         async def gen():
             state["running"] += 1
             try:
-                for _ in range(body.get("max_tokens", 30)):
+                for i in range(1, body.get("max_tokens", 30) + 1):
                     await asyncio.sleep(base_s + per_seq_s * state["running"])
+                    if silent_every and i % silent_every == 0:
+                        continue
                     chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
                              "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}]}
+                    if so.get("continuous_usage_stats"):
+                        chunk["usage"] = {"prompt_tokens": 1, "completion_tokens": i, "total_tokens": i + 1}
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
                 yield b'data: {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "sim-model", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}\n\n'
                 yield b"data: [DONE]\n\n"
@@ -61,8 +72,9 @@ def batching_engine(base_s: float, per_seq_s: float) -> FastAPI:
     return app
 
 
-async def clients(url: str, n: int, seconds: float) -> list[float]:
-    """n closed-loop streaming clients; the inter-token gaps they saw in the last third."""
+async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = None) -> list[float]:
+    """n closed-loop streaming clients; the inter-token gaps they saw in the last third (and, in
+    `lines`, every data line)."""
     gaps: list[tuple[float, float]] = []
     stop = time.monotonic() + seconds
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "stream": True,
@@ -73,6 +85,8 @@ async def clients(url: str, n: int, seconds: float) -> list[float]:
                 async with s.post(f"{url}/v1/chat/completions", json=body) as r:
                     last = None
                     async for line in r.content:
+                        if lines is not None and line.startswith(b"data:"):
+                            lines.append(line)
                         if line.startswith(b"data:") and b'"content"' in line:
                             now = time.monotonic()
                             if last is not None:
@@ -83,14 +97,14 @@ async def clients(url: str, n: int, seconds: float) -> list[float]:
     return sorted(g for t, g in gaps if t >= cut)
 
 
-def run(learn: bool) -> tuple[float, float]:
+def run(learn: bool, silent_every: int = 0, lines: list[bytes] | None = None) -> tuple[float, float]:
     with ExitStack() as st:
-        eng = st.enter_context(ServerThread(batching_engine(0.010, 0.005)))  # 10 ms + 5 ms per sequence
+        eng = st.enter_context(ServerThread(batching_engine(0.010, 0.005, silent_every)))  # 10 ms + 5 ms per sequence
         cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 32}],
                                             "policies": {"frame_s": 0.05}, "health_interval_s": 0.5, "pacing": False,
                                             "capacity": {"learn": learn}})
         gw = st.enter_context(ServerThread(create_app(cfg)))
-        gaps = asyncio.run(clients(gw.url, 20, 15))
+        gaps = asyncio.run(clients(gw.url, 20, 15, lines))
         budget = gauge(gw.url, "slogate_replica_budget", backend="e")
     return gaps[int(0.9 * (len(gaps) - 1))], budget or 0
 
@@ -102,6 +116,19 @@ def test_a_learned_budget_keeps_streams_within_their_tbt_where_a_fixed_one_does_
     assert 3 <= budget <= 8, budget
     assert cap == 32
     assert p90_learned <= 0.050 < p90_fixed, (p90_learned, p90_fixed)
+
+
+def test_chunks_that_carry_several_tokens_are_counted_per_token() -> None:
+    # Every other token sends no chunk: counting one token per chunk would double each measured
+    # gap and halve the budget (2 × (10 + 5n) ms ≤ 42.5 ms → n ≤ 2). The gateway asks for the
+    # running usage count in every chunk and measures per token; clients that did not ask for it
+    # never see it.
+    lines: list[bytes] = []
+    _, budget = run(learn=True, silent_every=2, lines=lines)
+    assert 3 <= budget <= 8, budget
+    content = [ln for ln in lines if b'"content"' in ln]
+    assert content and not any(b"usage" in ln for ln in content), content[:3]
+    json.loads(content[0][5:])  # still valid JSON once the usage member is cut out
 
 
 def test_traffic_that_bypasses_the_gateway_takes_from_the_budget() -> None:

@@ -83,6 +83,9 @@ def test_gateway_in_front_of_real_vllm(vllm: str) -> None:
                                                 stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True, "slo": {"ttft_ms": 5000, "tbt_ms": 200}}))
         assert chunks[-1].usage.completion_tokens == 24
+        # the gateway asks vLLM for usage in every chunk (its per-token timing) and strips it for
+        # a client that asked only for the final count
+        assert all(ch.usage is None for ch in chunks[:-1]) and sum(bool(ch.choices and ch.choices[0].delta.content) for ch in chunks) > 0
         assert c.completions.create(model="tiny", prompt="def f(", max_tokens=8, extra_body={"ignore_eos": True, "priority": 1}).usage.completion_tokens == 8
         # a client that leaves mid-stream frees vLLM's slot
         body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": 1500, "stream": True, "ignore_eos": True}
