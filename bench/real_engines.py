@@ -100,7 +100,7 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
     path = tmp / f"{system}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     p = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--config", str(path), "--port", str(port),
-                          "--log-level", "warning"], start_new_session=True)
+                          "--log-level", os.environ.get("BENCH_GATEWAY_LOG", "warning")], start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", timeout=60)
     return p, url
@@ -208,6 +208,12 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
         res = asyncio.run(replay(url, rate, duration, load_lengths(seed), seed, budgets))
         wall = time.monotonic() - t0
         cpu = cpu_s(proc.pid) - cpu0
+        shed: dict[str, float] = {}
+        if system != "vllm-router":  # why slogate refused what it refused
+            for ln in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+                if ln.startswith("slogate_shed_total{"):
+                    reason = ln.split('reason="', 1)[1].split('"', 1)[0]
+                    shed[reason] = shed.get(reason, 0) + float(ln.rsplit(" ", 1)[1])
     finally:
         stop([proc])
     gp, att = 0.0, 0
@@ -225,7 +231,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "ideal_goodput": round(sum(r["n_out"] if r["kind"] == "latency" else r["n_in"] + r["n_out"] for r in res) / duration, 1),
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tbt_p95": pct(tbt, 0.95),
             "router_cpu_share": round(cpu / wall, 3), "wall_s": round(wall, 1),
-            "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None}
+            "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None, "shed": shed}
 
 
 def report(path: Path) -> str:

@@ -14,12 +14,13 @@ fitted to this replica instead of a profile):
   the median alone) but they count: the SLOs are cumulative (token i is due by TTFT + i·TBT),
   so the *mean* pace is what must hold. Each stream brings one prefill per answer, so their
   cost per token grows with n too: s·n, s estimated from how far the gaps' mean lies above the
-  decode line, per stream held.
+  decode line, per stream held, over ~20 s (a ratio of sums: one long prompt is a moment).
 
 The budget is the largest n with a + (b + s)·n ≤ margin · target. Until the line is trustworthy
 (three distinct n, a positive slope), and for n beyond what it has seen, the budget moves
 additively: +1 while the replica is full and fast; and whenever the smoothed mean pace exceeds
-the target (with a fit: by a quarter, as the fit already prices the prefills) it drops to
+the target (with a fit: the pace over ~20 s, by a quarter, as the fit already prices the
+prefills) it drops to
 0.8 × what the replica holds (AIMD), so it finds the knee even on an engine nobody profiled. (A first version fitted per-n means and backed off on the p90 gap: the
 prefill stalls dominated both, every arrival read as overload, and the budget collapsed far
 below the knee while the replica could have served the queue on time.)
@@ -58,8 +59,13 @@ class CapacityLearner:
     recent_n: list[int] = field(default_factory=list)
     last_update: float = -math.inf
     fit: tuple[float, float] | None = None  # (a, b) of the decode step ITL(n) = a + b·n
+    horizon: float = 0.05  # weight of the newest second in the prefill cost and the sustained pace (~20 s)
     stall: float = 0.0  # s: prefill cost per token per stream held (seconds)
     pace: float | None = None  # smoothed mean gap (seconds per token)
+    sustained: float | None = None  # the same over ~20 s
+    _since_cut: int = 0  # updates since the last multiplicative decrease
+    _excess: float = 0.0  # decayed sums behind `stall`: gap time above the decode line, and streams × gaps
+    _held: float = 0.0
 
     def __post_init__(self) -> None:
         self.budget = max(1, min(self.cap if self.start is None else self.start, self.cap))
@@ -112,12 +118,17 @@ class CapacityLearner:
         if line is not None:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
         if len(recent) >= 10:
-            self.pace = self._ew(self.pace, sum(recent) / len(recent))
+            mean = sum(recent) / len(recent)
+            self.pace = self._ew(self.pace, mean)
+            self.sustained = mean if self.sustained is None else (1 - self.horizon) * self.sustained + self.horizon * mean
             if self.fit is not None:
                 a, b = self.fit
-                excess = sum(recent) - sum(a + b * n for n in recent_n)
-                # Slower than the pace: one long prompt is a moment, not a new cost per stream.
-                self.stall = max(0.0, (1 - self.smooth / 3) * self.stall + self.smooth / 3 * excess / sum(recent_n))
+                # A ratio of sums over ~20 s, not an average of per-second ratios: one long
+                # prompt's stall is a moment in that time, not a new cost per stream.
+                k = 1 - self.horizon
+                self._excess = k * self._excess + sum(recent) - sum(a + b * n for n in recent_n)
+                self._held = k * self._held + sum(recent_n)
+                self.stall = max(0.0, self._excess / self._held)
         if self.fit is not None:
             a, b = self.fit
             slope = b + self.stall
@@ -129,9 +140,13 @@ class CapacityLearner:
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
         # plainly wrong.
-        over = target_s if self.fit is None else 1.25 * target_s
-        if self.pace is not None and self.pace > over and len(recent) >= 10:
+        # After a cut, judge on fresh evidence only: the pace before it says nothing about after.
+        pace, over = (self.pace, target_s) if self.fit is None else (self.sustained if self._since_cut >= 10 else None, 1.25 * target_s)
+        self._since_cut += 1
+        if pace is not None and pace > over and len(recent) >= 10:
             self.budget = max(1, min(self.budget, int(inflight * 0.8)))  # multiplicative decrease
+            self.pace = self.sustained = None
+            self._since_cut = 0
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
         return self.budget

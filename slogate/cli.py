@@ -292,6 +292,11 @@ def serve(
     import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
+    import logging
+
+    # The gateway's own loggers (slogate.*) follow --log-level too, not only uvicorn's.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("slogate").setLevel(log_level.upper())
     n_sim = sim_engines if not cfg.backends else 0
     if n_sim:
         console.print(f"no backend configured: starting {n_sim} simulated engines (model 'sim-model')")
