@@ -16,13 +16,14 @@ fitted to this replica instead of a profile):
   cost per token grows with n too: s·n, s estimated from how far the gaps' mean lies above the
   decode line, per stream held, over ~20 s (a ratio of sums: one long prompt is a moment).
 
-The budget is the largest n with a + (b + s)·n ≤ margin · target. Until the line is trustworthy
-(three distinct n, a positive slope), and for n beyond what it has seen, the budget moves
-additively: +1 while the replica is full and fast; and whenever the smoothed mean pace exceeds
-the target (with a fit: the pace over ~20 s, by a quarter, as the fit already prices the
-prefills) it drops to
-0.8 × what the replica holds (AIMD), so it finds the knee even on an engine nobody profiled. (A first version fitted per-n means and backed off on the p90 gap: the
-prefill stalls dominated both, every arrival read as overload, and the budget collapsed far
+The budget is the largest n with a + (b + s)·n ≤ margin · target. Until the line is
+trustworthy (four distinct n over a span of four, a positive slope), and for n beyond what it
+has seen, the budget moves additively: +1 while the replica is full and fast. Whenever the
+smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD), so it
+finds the knee even on an engine nobody profiled; with a line, only on the pace over ~20 s
+exceeding the target by a quarter (the line already prices the prefills), and after a cut only
+on evidence gathered since. (A first version fitted per-n means and backed off on the p90 gap:
+the prefill stalls dominated both, every arrival read as overload, and the budget collapsed far
 below the knee while the replica could have served the queue on time.)
 
 The configured budget stays an upper bound. Pure: time is an argument.
@@ -82,7 +83,7 @@ class CapacityLearner:
 
     def _line(self) -> tuple[float, float] | None:
         pts = [(n, median(b.gaps), b.weight) for n, b in self.bins.items() if b.weight >= self.min_weight]
-        if len(pts) < 3 or max(p[0] for p in pts) - min(p[0] for p in pts) < 2:
+        if len(pts) < 4 or max(p[0] for p in pts) - min(p[0] for p in pts) < 4:  # a short span extrapolates badly
             return None
         sw = sum(w for _, _, w in pts)
         mx = sum(n * w for n, _, w in pts) / sw
