@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 import openai
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -159,6 +160,11 @@ def judge(r: dict) -> tuple[float, bool]:
     return led.token_goodput(), led.attained()
 
 
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample called `name` in a Prometheus exposition."""
+    return [(x.labels, x.value) for fam in text_string_to_metric_families(text) for x in fam.samples if x.name == name]
+
+
 async def sample_budgets(url: str, out: list[float]) -> None:
     """The gateway's per-replica budgets (summed over replicas), once a second."""
     async with httpx.AsyncClient(timeout=2) as c:
@@ -168,7 +174,7 @@ async def sample_budgets(url: str, out: list[float]) -> None:
                 text = (await c.get(f"{url}/metrics")).text
             except httpx.HTTPError:
                 continue
-            vals = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("slogate_replica_budget{")]
+            vals = [v for _, v in samples(text, "slogate_replica_budget")]
             if vals:
                 out.append(sum(vals))
 
@@ -210,10 +216,8 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
         cpu = cpu_s(proc.pid) - cpu0
         shed: dict[str, float] = {}
         if system != "vllm-router":  # why slogate refused what it refused
-            for ln in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-                if ln.startswith("slogate_shed_total{"):
-                    reason = ln.split('reason="', 1)[1].split('"', 1)[0]
-                    shed[reason] = shed.get(reason, 0) + float(ln.rsplit(" ", 1)[1])
+            for labels, v in samples(httpx.get(f"{url}/metrics", timeout=5).text, "slogate_shed_total"):
+                shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
     finally:
         stop([proc])
     gp, att = 0.0, 0

@@ -53,7 +53,7 @@ class CapacityLearner:
     margin: float = 0.85  # aim below the target: the pace's spread from one second to the next
     decay: float = 0.1  # weight every bin loses per update: what was seen a minute ago hardly counts
     min_weight: float = 5.0  # observations before a bin counts in the fit
-    smooth: float = 0.3  # weight of the newest second in the smoothed pace and prefill cost
+    smooth: float = 0.3  # weight of the newest second in the smoothed pace
     budget: int = 0
     bins: dict[int, _Bin] = field(default_factory=dict)
     recent: list[float] = field(default_factory=list)  # gaps since the last update (seconds per token)
@@ -96,8 +96,9 @@ class CapacityLearner:
             return None  # no visible cost of batching yet: the data do not locate the knee
         return my - slope * mx, slope
 
-    def _ew(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smooth) * old + self.smooth * new
+    @staticmethod
+    def _ew(old: float | None, new: float, weight: float) -> float:
+        return new if old is None else (1 - weight) * old + weight * new
 
     def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0) -> int:
         """Re-decide the budget (at most once per `period_s`) for streams that need `target_s`
@@ -120,8 +121,8 @@ class CapacityLearner:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
         if len(recent) >= 10:
             mean = sum(recent) / len(recent)
-            self.pace = self._ew(self.pace, mean)
-            self.sustained = mean if self.sustained is None else (1 - self.horizon) * self.sustained + self.horizon * mean
+            self.pace = self._ew(self.pace, mean, self.smooth)
+            self.sustained = self._ew(self.sustained, mean, self.horizon)
             if self.fit is not None:
                 a, b = self.fit
                 # A ratio of sums over ~20 s, not an average of per-second ratios: one long
@@ -140,8 +141,7 @@ class CapacityLearner:
             self.budget = max(1, min(by_fit, self.cap, max(self.budget, seen + max(1, seen // 8))))
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
-        # plainly wrong.
-        # After a cut, judge on fresh evidence only: the pace before it says nothing about after.
+        # plainly wrong, and after a cut judge on fresh evidence only.
         pace, over = (self.pace, target_s) if self.fit is None else (self.sustained if self._since_cut >= 10 else None, 1.25 * target_s)
         self._since_cut += 1
         if pace is not None and pace > over and len(recent) >= 10:

@@ -31,8 +31,6 @@ def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> F
     (`continuous_usage_stats`), each chunk carries the running usage count."""
     app = FastAPI()
     state = {"running": 0}
-    seen: list[dict[str, Any]] = []
-    app.state.stream_options = seen
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -48,7 +46,6 @@ def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> F
     @app.post("/v1/chat/completions")
     async def chat(body: dict[str, Any]) -> StreamingResponse:
         so = body.get("stream_options") or {}
-        seen.append(so)
 
         async def gen():
             state["running"] += 1
