@@ -20,7 +20,14 @@ class SLOClass(StrEnum):
 
 # Numeric class codes in `Request.static`, for vectorised policies.
 LATENCY_CODE, DEADLINE_CODE, BEST_EFFORT_CODE = 0.0, 1.0, 2.0
-_KIND_CODE = {SLOClass.LATENCY: LATENCY_CODE, SLOClass.DEADLINE: DEADLINE_CODE, SLOClass.COMPOUND: DEADLINE_CODE, SLOClass.BEST_EFFORT: BEST_EFFORT_CODE}
+# Request.static: kind code, TTFT, TBT, deadline, workflow deadline, tier weight, max_tokens, waiting_s.
+N_STATIC = 8
+_KIND_CODE = {
+    SLOClass.LATENCY: LATENCY_CODE,
+    SLOClass.DEADLINE: DEADLINE_CODE,
+    SLOClass.COMPOUND: DEADLINE_CODE,
+    SLOClass.BEST_EFFORT: BEST_EFFORT_CODE,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +124,8 @@ class Request:
         wf_dl = self.workflow.deadline_at if self.workflow is not None else 0.0
         dl = self.arrival + s.deadline_s if s.deadline_s is not None else 0.0
         cap = float(self.max_tokens) if self.max_tokens is not None else math.inf
-        self.static = (_KIND_CODE[s.kind], s.ttft_s or 0.0, s.tbt_s or 0.0, dl, wf_dl, self.tier.weight, cap)
+        wait = s.waiting_s if s.waiting_s is not None else math.inf
+        self.static = (_KIND_CODE[s.kind], s.ttft_s or 0.0, s.tbt_s or 0.0, dl, wf_dl, self.tier.weight, cap, wait)
 
     @property
     def kind(self) -> SLOClass:

@@ -11,6 +11,7 @@ from predictors.length import LengthEstimator, make_estimator
 from router.latency import DEFAULT_PROFILE, PROFILES
 from router.registry import parse_combo
 from router.scheduler import Scheduler
+from sim.bounds import isolation_goodput
 from sim.cluster import ClusterSim, EngineConfig
 from sim.report import result_row
 from sim.workload import build_workload, load_trace, load_workflows, parse_tiers, parse_weights
@@ -64,6 +65,7 @@ class Experiment:
         self.mix = parse_weights(cfg.mix)
         self.tiers = parse_tiers(cfg.tiers)
         self._qrf: Callable[[int], LengthEstimator] | None = None
+        self._bound: dict[tuple[object, ...], dict[str, float]] = {}
         if cfg.predictor == "qrf":  # load the model and prompt pool once for all runs
             if not cfg.predictor_model:
                 raise ValueError("--predictor qrf needs a model file (--predictor-model), made by `slogate train-predictor`")
@@ -77,7 +79,9 @@ class Experiment:
 
     def workload(self):  # type: ignore[no-untyped-def]
         c = self.cfg
-        return build_workload(self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed)
+        return build_workload(
+            self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed
+        )
 
     def run(self, combo: str) -> dict[str, Any]:
         parse_combo(combo)
@@ -85,9 +89,21 @@ class Experiment:
         wl = self.workload()
         est = self._qrf(c.seed) if self._qrf else make_estimator(c.predictor, wl.output_lengths, c.seed)
         engine = EngineConfig(PROFILES[c.profile], budget=c.budget, max_batched_tokens=c.max_batched_tokens)
-        sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=c.seed), est, engine, n_replicas=c.replicas, frame_s=c.frame_s,
-                         stage_estimate=c.stage_estimate or ("oracle" if c.predictor == "oracle" else "pattern"))
+        sim = ClusterSim(
+            wl,
+            Scheduler.from_combo(combo, seed=c.seed),
+            est,
+            engine,
+            n_replicas=c.replicas,
+            frame_s=c.frame_s,
+            stage_estimate=c.stage_estimate or ("oracle" if c.predictor == "oracle" else "pattern"),
+        )
         row = result_row(sim.run())
         row["requests"] = wl.n_requests
+        key = (c.rate_scale, c.slo_scale, c.duration_s, c.max_requests)  # the workload's, not the policy's
+        if key not in self._bound:
+            self._bound[key] = isolation_goodput(wl, PROFILES[c.profile], c.max_batched_tokens)
+        row["ideal_token_goodput"] = self._bound[key]["all"]
+        row["ideal_by_class"] = self._bound[key]
         row.update(est.summary())
         return row

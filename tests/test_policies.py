@@ -19,7 +19,7 @@ def test_fcfs_head_of_line_blocking_and_gmax_avoiding_it():
 
 
 def test_gmax_priority_is_goodput_over_generation_time():
-    g = GMAX(delta=0.0, preempt=False)
+    g = GMAX(delta=0.0, preempt=False, jit=True)  # jit: every class has a finite slack
     r = req(1, inp=1000, bound=100)
     rep = view()
     prio, good, t_gen, expired, slack = g.estimate(0.0, [r], [rep])
@@ -30,6 +30,7 @@ def test_gmax_priority_is_goodput_over_generation_time():
     assert good[0] == pytest.approx(1000 + 100)  # feasible: input + output tokens
     assert prio[0] == pytest.approx(1100 / expect_t_gen)
     assert not expired[0] and slack[0] == pytest.approx(20.0 - expect_t_gen)
+    assert GMAX(delta=0.0, preempt=False).estimate(0.0, [r], [rep])[4][0] == np.inf  # only best effort can be urgent
 
 
 def test_gmax_infeasible_deadline_gets_zero_goodput_and_expired_is_shed():
@@ -83,7 +84,8 @@ def test_gmax_jit_serves_the_request_that_must_start_now_before_a_denser_one_wit
     lat = req(1, arrival=0.0, inp=100, slo=SLO.latency(2.0, 0.1), bound=200)
     dl = req(2, arrival=0.0, inp=3000, bound=50)  # denser, 20 s deadline: lots of slack
     reps = [view(budget=1)]
-    assert GMAX(jit=False, preempt=False).select(0.5, [lat, dl], 1, reps).dispatch == [dl]
+    # The default is the paper's pure goodput/t_gen order: the denser deadline request first.
+    assert GMAX(preempt=False).select(0.5, [lat, dl], 1, reps).dispatch == [dl]
     assert GMAX(jit=True, preempt=False).select(0.5, [lat, dl], 1, reps).dispatch == [lat]
 
 
@@ -190,3 +192,12 @@ def test_every_policy_respects_the_slot_count_and_only_returns_waiting_requests(
         assert len(sel.dispatch) <= slots
         assert {r.rid for r in sel.dispatch} <= {r.rid for r in reqs}
         assert len({r.rid for r in sel.dispatch}) == len(sel.dispatch)
+
+
+def test_gmax_sheds_a_request_that_waited_past_its_waiting_time_before_any_dispatch():
+    slo = SLO.latency(5.0, 0.1, waiting_s=1.0)
+    fresh, old, requeued = req(1, arrival=1.0, slo=slo), req(2, arrival=0.0, slo=slo), req(3, arrival=0.0, slo=slo)
+    requeued.dispatched_at = 0.2  # it was served once (then preempted): its wait is over
+    sel = GMAX(preempt=False).select(1.5, [fresh, old, requeued], 0, [view()])
+    assert sel.shed == [(old, "waiting_time_exceeded")]
+    assert GMAX(preempt=False).select(0.9, [old], 0, [view()]).shed == []

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
 
 from router.policies.base import OrderingPolicy, Selection
-from router.request import BEST_EFFORT_CODE, LATENCY_CODE, Request, SLOClass
+from router.request import BEST_EFFORT_CODE, LATENCY_CODE, N_STATIC, Request, SLOClass
 from router.view import ReplicaView, fleet_speed
 
 _STATIC = attrgetter("static")
@@ -45,7 +46,7 @@ class GMAX(OrderingPolicy):
         preempt: bool = True,
         preempt_threshold: float = 0.1,
         max_preempt_per_frame: int = 2,
-        jit: bool = True,
+        jit: bool = False,
         urgency_s: float = 2.0,
         seed: int = 0,
     ) -> None:
@@ -98,19 +99,33 @@ class GMAX(OrderingPolicy):
         return True
 
     # -- estimates ------------------------------------------------------------------------
+    @staticmethod
+    def features(reqs: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """(static, dynamic) feature arrays of `reqs`: one gather per decision."""
+        n = len(reqs)
+        # fromiter over a flat chain: about twice as fast as np.array of a list of tuples.
+        st = np.fromiter(chain.from_iterable(map(_STATIC, reqs)), dtype=np.float64, count=N_STATIC * n).reshape(n, N_STATIC)
+        dyn = np.fromiter(chain.from_iterable(map(_DYNAMIC, reqs)), dtype=np.float64, count=4 * n).reshape(n, 4)
+        return st, dyn
+
     def estimate(
-        self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView], expected: bool = False
+        self,
+        now: float,
+        reqs: Sequence[Request],
+        replicas: Sequence[ReplicaView],
+        expected: bool = False,
+        feats: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Return (priority, goodput, t_gen, expired, slack) arrays for `reqs`.
 
         slack: how long the request can still wait before its SLO needs it started —
-        to its TTFT for latency requests, to deadline − t_gen otherwise (−inf if infeasible).
+        to its TTFT for latency requests, to deadline − t_gen otherwise (−inf if infeasible);
+        +inf for requests that cannot be urgent (see `select`).
         `expected`: use the point estimate of the remaining length instead of the upper bound."""
         _, model, v = fleet_speed(replicas)
         n = len(reqs)
-        st = np.array(list(map(_STATIC, reqs)), dtype=np.float64).reshape(n, 7)
-        dyn = np.array(list(map(_DYNAMIC, reqs)), dtype=np.float64).reshape(n, 4)
-        kind, ttft, tbt, dl, wf_dl, w, cap = st.T
+        st, dyn = feats if feats is not None else self.features(reqs)
+        kind, ttft, tbt, dl, wf_dl, w, cap, _wait = st.T
         arrival, inp, gen, bound = dyn.T
         ctx = inp + gen
         if expected:
@@ -148,7 +163,8 @@ class GMAX(OrderingPolicy):
             pmax = priority.max()
             priority = (1 - self.fairness) * (priority / pmax if pmax > 0 else priority) + self.fairness * fair
         slack = np.where(is_lat, arrival + ttft - now - pf, np.where(fits, dl - now - t_gen, -np.inf))
-        slack = np.where(goodput > 0, slack, np.inf)  # nothing to protect: never urgent
+        # Never urgent: requests with nothing to protect, and (unless `jit`) all but best effort.
+        slack = np.where((goodput > 0) & (is_be | self.jit), slack, np.inf)
         return priority, goodput, t_gen, expired, slack
 
     # -- decision ---------------------------------------------------------------------------
@@ -158,19 +174,21 @@ class GMAX(OrderingPolicy):
         if not waiting:
             return sel
         waiting = list(waiting)
-        prio, good, _t_gen, expired, slack = self.estimate(now, waiting, replicas)
-        too_long = np.fromiter(
-            (r.slo.waiting_s is not None and r.dispatched_at is None and now - r.arrival > r.slo.waiting_s for r in waiting),
-            dtype=bool,
-            count=len(waiting),
-        )
+        feats = self.features(waiting)
+        prio, good, _t_gen, expired, slack = self.estimate(now, waiting, replicas, feats=feats)
+        st, dyn = feats
+        too_long = now - dyn[:, 0] > st[:, 7]  # waited past its waiting_s (inf when unset) …
+        for i in np.flatnonzero(too_long):
+            too_long[i] = waiting[i].dispatched_at is None  # … before it was ever dispatched
         sel.shed = [(waiting[i], "slo_unattainable") for i in np.flatnonzero(expired)]
         sel.shed += [(waiting[i], "waiting_time_exceeded") for i in np.flatnonzero(too_long & ~expired)]
         alive = np.flatnonzero(~expired & ~too_long)
         if alive.size and slots > 0:
-            # Just in time: requests that must start within `urgency_s` to keep their SLO
-            # go first (grouped by GMAX); spare slots go to the rest by the same rule.
-            urgent = alive[slack[alive] <= self.urgency_s] if self.jit else alive[:0]
+            # Requests that must start within `urgency_s` go first, spare slots to the rest.
+            # By default only best effort can be urgent (near its default deadline, so it never
+            # starves); `jit` makes every class eligible, which puts each 2 s-TTFT request
+            # ahead of denser deadline work and cost 4–14% token goodput in simulation.
+            urgent = alive[slack[alive] <= self.urgency_s]
             first = self._group(urgent, prio, waiting, slots) if urgent.size else []
             picked = [waiting[i] for i in first]
             chosen = list(first)
