@@ -22,12 +22,7 @@ class SLOClass(StrEnum):
 LATENCY_CODE, DEADLINE_CODE, BEST_EFFORT_CODE = 0.0, 1.0, 2.0
 # Request.static: kind code, TTFT, TBT, deadline, workflow deadline, tier weight, max_tokens, waiting_s.
 N_STATIC = 8
-_KIND_CODE = {
-    SLOClass.LATENCY: LATENCY_CODE,
-    SLOClass.DEADLINE: DEADLINE_CODE,
-    SLOClass.COMPOUND: DEADLINE_CODE,
-    SLOClass.BEST_EFFORT: BEST_EFFORT_CODE,
-}
+_KIND_CODE = {SLOClass.LATENCY: LATENCY_CODE, SLOClass.DEADLINE: DEADLINE_CODE, SLOClass.COMPOUND: DEADLINE_CODE, SLOClass.BEST_EFFORT: BEST_EFFORT_CODE}
 
 
 @dataclass(frozen=True, slots=True)

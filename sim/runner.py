@@ -79,9 +79,7 @@ class Experiment:
 
     def workload(self):  # type: ignore[no-untyped-def]
         c = self.cfg
-        return build_workload(
-            self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed
-        )
+        return build_workload(self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed)
 
     def run(self, combo: str) -> dict[str, Any]:
         parse_combo(combo)
@@ -89,15 +87,8 @@ class Experiment:
         wl = self.workload()
         est = self._qrf(c.seed) if self._qrf else make_estimator(c.predictor, wl.output_lengths, c.seed)
         engine = EngineConfig(PROFILES[c.profile], budget=c.budget, max_batched_tokens=c.max_batched_tokens)
-        sim = ClusterSim(
-            wl,
-            Scheduler.from_combo(combo, seed=c.seed),
-            est,
-            engine,
-            n_replicas=c.replicas,
-            frame_s=c.frame_s,
-            stage_estimate=c.stage_estimate or ("oracle" if c.predictor == "oracle" else "pattern"),
-        )
+        sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=c.seed), est, engine, n_replicas=c.replicas, frame_s=c.frame_s,
+                         stage_estimate=c.stage_estimate or ("oracle" if c.predictor == "oracle" else "pattern"))
         row = result_row(sim.run())
         row["requests"] = wl.n_requests
         key = (c.rate_scale, c.slo_scale, c.duration_s, c.max_requests)  # the workload's, not the policy's

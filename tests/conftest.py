@@ -29,14 +29,9 @@ def synthetic_trace(tmp_path: Path) -> Path:
 
 # Synthetic prompts whose answer length depends on what they ask (and on who answers): a
 # predictor that reads the prompt must beat a global quantile by far.
-_TASKS = [
-    ("Answer in one word: what is the capital of {x}?", 3, 0.3),
-    ("Write a detailed essay about {x}.", 420, 0.25),
-    ("List ten facts about {x}.", 160, 0.2),
-    ("Translate 'hello {x}' to French.", 8, 0.3),
-    ("Explain step by step how {x} works.", 260, 0.3),
-    ("Write a python function that sorts {x}.", 120, 0.3),
-]
+_TASKS = [("Answer in one word: what is the capital of {x}?", 3, 0.3), ("Write a detailed essay about {x}.", 420, 0.25),
+          ("List ten facts about {x}.", 160, 0.2), ("Translate 'hello {x}' to French.", 8, 0.3),
+          ("Explain step by step how {x} works.", 260, 0.3), ("Write a python function that sorts {x}.", 120, 0.3)]
 _TOPICS = ["france", "rivers", "volcanoes", "the moon", "bees", "trains", "glass", "jazz", "tea", "chess", "clouds", "salt"]
 
 
@@ -53,16 +48,8 @@ def synthetic_prompt_rows(n: int, seed: int = 0) -> list[dict]:
         scale = 0.6 if model == "terse-llm" else 1.5
         length = max(1, round(mu * scale * math.exp(rng.gauss(0, sigma))))
         prompt = tmpl.format(x=topic)
-        rows.append(
-            {
-                "prompt": prompt,
-                "response_len_tokens_cl100k": length,
-                "prompt_len_tokens_cl100k": len(prompt) // 4,
-                "source": "synthetic",
-                "model": model,
-                "id": str(i),
-            }
-        )
+        rows.append({"prompt": prompt, "response_len_tokens_cl100k": length, "prompt_len_tokens_cl100k": len(prompt) // 4,
+                     "source": "synthetic", "model": model, "id": str(i)})
     return rows
 
 
@@ -90,11 +77,8 @@ def redis_url(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(100):
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):

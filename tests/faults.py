@@ -36,22 +36,9 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EngineProcess:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from slogate.cli import app; app()",
-                "engine",
-                "--port",
-                str(self.port),
-                "--model",
-                self.model,
-                *self.args,
-            ],
-            start_new_session=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.proc = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "engine", "--port", str(self.port),
+                                      "--model", self.model, *self.args], start_new_session=True,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -119,12 +106,8 @@ class Load:
 
     def one(self, c: openai.OpenAI, stream: bool) -> Outcome:
         t0 = time.monotonic()
-        kw: dict[str, Any] = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "fault test"}],
-            "max_tokens": self.max_tokens,
-            "extra_body": {"ignore_eos": True},
-        }
+        kw: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "fault test"}], "max_tokens": self.max_tokens,
+                              "extra_body": {"ignore_eos": True}}
         n = 0
         try:
             if stream:

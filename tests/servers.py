@@ -15,9 +15,8 @@ from gateway.serve import free_port
 class ServerThread:
     def __init__(self, app: Any, port: int | None = None) -> None:
         self.port = port or free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-        )
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
 

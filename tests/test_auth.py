@@ -21,30 +21,22 @@ GOLD, BASIC, ADMIN = "sk-gold-0123456789", "sk-basic-abcdef", "sk-admin-xyz"
 
 
 def cfg(engine_url: str, state: dict | None = None) -> GatewayConfig:
-    return GatewayConfig.model_validate(
-        {
-            "backends": [{"url": engine_url, "models": [MODEL, "other-model"], "budget": 16}],
-            "tiers": {"default": {}, "gold": {"weight": 3}, "basic": {"weight": 1}},
-            "policies": {"params": {"fairness": 0.3}},
-            "auth": {
-                "enabled": True,
-                "admin_sha256": key_hash(ADMIN),
-                "keys": [
-                    {"sha256": key_hash(GOLD), "tenant": "acme", "tier": "gold", "slo_floor": {"ttft_ms": 500, "tbt_ms": 40}},
-                    {"sha256": key_hash(BASIC), "tenant": "bob", "tier": "basic", "models": [MODEL], "rpm": 3},
-                ],
-            },
-            "state": state or {},
-        }
-    )
+    return GatewayConfig.model_validate({
+        "backends": [{"url": engine_url, "models": [MODEL, "other-model"], "budget": 16}],
+        "tiers": {"default": {}, "gold": {"weight": 3}, "basic": {"weight": 1}},
+        "policies": {"params": {"fairness": 0.3}},
+        "auth": {"enabled": True, "admin_sha256": key_hash(ADMIN), "keys": [
+            {"sha256": key_hash(GOLD), "tenant": "acme", "tier": "gold", "slo_floor": {"ttft_ms": 500, "tbt_ms": 40}},
+            {"sha256": key_hash(BASIC), "tenant": "bob", "tier": "basic", "models": [MODEL], "rpm": 3},
+        ]},
+        "state": state or {},
+    })
 
 
 def test_key_tier_is_authoritative_and_the_slo_floor_clamps() -> None:
     c = cfg("http://127.0.0.1:1")
     gold = c.auth.keys[0]
-    r = resolve(
-        {"model": MODEL, "stream": True, "priority": "basic", "slo": {"ttft_ms": 50, "tbt_ms": 10}}, {}, c, WorkflowRegistry(), 0.0, gold
-    )
+    r = resolve({"model": MODEL, "stream": True, "priority": "basic", "slo": {"ttft_ms": 50, "tbt_ms": 10}}, {}, c, WorkflowRegistry(), 0.0, gold)
     assert r.tier.name == "gold" and r.slo.ttft_s == 0.5 and r.slo.tbt_s == 0.04 and r.sources["ttft_ms"] == "key_floor"
     r2 = resolve({"model": MODEL, "stream": True, "slo": {"ttft_ms": 900}}, {}, c, WorkflowRegistry(), 0.0, gold)
     assert r2.slo.ttft_s == 0.9  # looser than the floor: as asked
@@ -72,10 +64,7 @@ def test_every_auth_status_in_the_openai_shape() -> None:
             basic.chat.completions.create(model=MODEL, messages=msg, max_tokens=2)
         assert e3.value.body["code"] == "rate_limit_exceeded" and int(e3.value.response.headers["retry-after"]) >= 1
         gold = openai.OpenAI(base_url=url, api_key=GOLD, max_retries=0)
-        assert (
-            gold.chat.completions.create(model=MODEL, messages=msg, max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens
-            == 2
-        )
+        assert gold.chat.completions.create(model=MODEL, messages=msg, max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
         # admin endpoint: key required, and the right one
         assert httpx.get(f"{gw.url}/admin/state").status_code == 401
         assert httpx.get(f"{gw.url}/admin/state", headers={"authorization": f"Bearer {GOLD}"}).status_code == 401
@@ -97,10 +86,7 @@ def test_rate_limits_are_shared_by_gateways_through_redis(redis_url: str) -> Non
         gws = [st.enter_context(ServerThread(create_app(cfg(eng.url, state)))) for _ in range(2)]
         codes = []
         for i in range(6):
-            r = httpx.post(
-                f"{gws[i % 2].url}/v1/chat/completions",
-                headers={"authorization": f"Bearer {BASIC}"},
-                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
-            )
+            r = httpx.post(f"{gws[i % 2].url}/v1/chat/completions", headers={"authorization": f"Bearer {BASIC}"},
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
             codes.append(r.status_code)
         assert codes.count(200) == 3 and codes.count(429) == 3  # one limit of 3/min across both gateways

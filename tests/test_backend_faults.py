@@ -20,16 +20,10 @@ MODEL = "sim-model"
 
 
 def gateway_for(engines: list[EngineProcess], **kw: object) -> ServerThread:
-    cfg = GatewayConfig.model_validate(
-        {
-            "backends": [{"url": e.url, "name": n, "models": [MODEL], "budget": 6} for n, e in zip("ab", engines, strict=False)],
-            "policies": {"frame_s": 0.05},
-            "health_interval_s": 0.5,
-            "pacing": False,
-            "slo": {"default": {"kind": "auto", "ttft_ms": 5000, "tbt_ms": 500, "deadline_ms": 30000, "waiting_ms": 20000}},
-            **kw,
-        }
-    )
+    cfg = GatewayConfig.model_validate({
+        "backends": [{"url": e.url, "name": n, "models": [MODEL], "budget": 6} for n, e in zip("ab", engines, strict=False)],
+        "policies": {"frame_s": 0.05}, "health_interval_s": 0.5, "pacing": False,
+        "slo": {"default": {"kind": "auto", "ttft_ms": 5000, "tbt_ms": 500, "deadline_ms": 30000, "waiting_ms": 20000}}, **kw})
     return ServerThread(create_app(cfg, OnlineLengthPredictor()))
 
 
@@ -123,21 +117,8 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path) -> None:
         cfg = tmp_path / "gw.yaml"
         cfg.write_text(f"backends: [{{url: '{e.url}', models: [{MODEL}], budget: 16}}]\nshutdown_grace_s: 10\npacing: false\n")
         port = free_port()
-        gw = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from slogate.cli import app; app()",
-                "serve",
-                "--config",
-                str(cfg),
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-            ],
-            start_new_session=True,
-        )
+        gw = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--config", str(cfg), "--port", str(port),
+                               "--log-level", "warning"], start_new_session=True)
         try:
             from test_multigateway import up
 
@@ -148,9 +129,7 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path) -> None:
                 import aiohttp
 
                 async with aiohttp.ClientSession() as s:
-                    tasks = [
-                        asyncio.ensure_future(stream_once(s, f"http://127.0.0.1:{port}/v1/chat/completions", body, 30)) for _ in range(8)
-                    ]
+                    tasks = [asyncio.ensure_future(stream_once(s, f"http://127.0.0.1:{port}/v1/chat/completions", body, 30)) for _ in range(8)]
                     await asyncio.sleep(0.5)  # streaming now, ~1.5 s to go
                     t = time.monotonic()
                     gw.send_signal(signal.SIGTERM)

@@ -51,12 +51,7 @@ BODIES: list[tuple[str, str, bytes, int]] = [
     ("max_tokens a string", "chat", chat(max_tokens="10"), 400),
     ("temperature a string", "chat", chat(temperature="hot"), 400),
     ("temperature NaN", "chat", b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
-    (
-        "temperature Infinity",
-        "chat",
-        b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "temperature": Infinity}',
-        400,
-    ),
+    ("temperature Infinity", "chat", b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "temperature": Infinity}', 400),
     ("stream_options not an object", "chat", chat(stream=True, stream_options=True), 400),
     ("slo not an object", "chat", chat(slo=5), 400),
     ("slo negative", "chat", chat(slo={"ttft_ms": -100}), 400),
@@ -98,9 +93,8 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "resp
 def gw():
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL, fixed_ttft_ms=5, fixed_itl_ms=1)))
-        cfg = GatewayConfig.model_validate(
-            {"backends": [{"url": eng.url, "models": [MODEL], "budget": 8}], "max_body_bytes": LIMIT, "policies": {"frame_s": 0.05}}
-        )
+        cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": [MODEL], "budget": 8}], "max_body_bytes": LIMIT,
+                                            "policies": {"frame_s": 0.05}})
         yield st.enter_context(ServerThread(create_app(cfg, OnlineLengthPredictor())))
 
 

@@ -34,34 +34,16 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
     with ExitStack() as st:
         engines = [st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20")) for _ in range(3)]
         cfg = tmp_path / "gw.yaml"
-        cfg.write_text(
-            "backends:\n"
-            + "".join(f"  - {{url: {e.url}, name: e{i}, models: [{MODEL}], budget: {BUDGET}}}\n" for i, e in enumerate(engines))
-            + f"state: {{kind: redis, url: 'redis://127.0.0.1:{rport}/0', prefix: chaos{time.monotonic_ns()}, sync_s: 0.05, lease_s: 5}}\n"
-            + "health_interval_s: 0.5\nstream_idle_timeout_s: 3\npacing: false\nshutdown_grace_s: 10\n"
-        )
+        cfg.write_text("backends:\n" + "".join(f"  - {{url: {e.url}, name: e{i}, models: [{MODEL}], budget: {BUDGET}}}\n"
+                                               for i, e in enumerate(engines))
+                       + f"state: {{kind: redis, url: 'redis://127.0.0.1:{rport}/0', prefix: chaos{time.monotonic_ns()}, sync_s: 0.05, lease_s: 5}}\n"
+                       + "health_interval_s: 0.5\nstream_idle_timeout_s: 3\npacing: false\nshutdown_grace_s: 10\n")
         urls = []
         for _ in range(2):
             p = free_port()
             errlog = open(tmp_path / f"gw{p}.log", "wb")  # noqa: SIM115 - the process's lifetime
-            gateways.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-c",
-                        "from slogate.cli import app; app()",
-                        "serve",
-                        "--config",
-                        str(cfg),
-                        "--port",
-                        str(p),
-                        "--log-level",
-                        "error",
-                    ],
-                    start_new_session=True,
-                    stderr=errlog,
-                )
-            )
+            gateways.append(subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--config", str(cfg),
+                                              "--port", str(p), "--log-level", "error"], start_new_session=True, stderr=errlog))
             urls.append(f"http://127.0.0.1:{p}")
         try:
             for u in urls:
@@ -73,14 +55,8 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
             settled = {u: sum(gauge(u, "slogate_replica_inflight", backend=f"e{i}") or 0 for i in range(3)) for u in urls}
             running = [e.metric("vllm:num_requests_running") for e in engines]
             peaks = [e.metric("slogate_sim_peak_requests") for e in engines]
-            serves = [
-                httpx.post(
-                    f"{u}/v1/chat/completions",
-                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
-                    timeout=30,
-                ).status_code
-                for u in urls
-            ]
+            serves = [httpx.post(f"{u}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                                     "max_tokens": 3}, timeout=30).status_code for u in urls]
             for g in gateways:
                 g.send_signal(signal.SIGTERM)
             for g in gateways:
@@ -121,21 +97,14 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert serves == [200, 200]
 
 
-async def _load_with_chaos(
-    urls: list[str], engines: list[EngineProcess], redis: dict, rport: int, tmp_path: Path
-) -> tuple[list[StreamResult], int]:
+async def _load_with_chaos(urls: list[str], engines: list[EngineProcess], redis: dict, rport: int,
+                           tmp_path: Path) -> tuple[list[StreamResult], int]:
     rng = random.Random(3)
     results: list[StreamResult] = []
     cancelled = 0
     stop_at = time.monotonic() + 14
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "chaos"}],
-        "max_tokens": 30,
-        "stream": True,
-        "ignore_eos": True,
-        "slo": {"kind": "latency", "ttft_ms": 5000, "tbt_ms": 500, "waiting_ms": 8000},
-    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "chaos"}], "max_tokens": 30, "stream": True,
+            "ignore_eos": True, "slo": {"kind": "latency", "ttft_ms": 5000, "tbt_ms": 500, "waiting_ms": 8000}}
 
     async def client(i: int, s: aiohttp.ClientSession) -> None:
         nonlocal cancelled
@@ -161,14 +130,8 @@ async def _load_with_chaos(
         def redis_up() -> None:
             redis["proc"] = start_redis(rport, tmp_path)
 
-        return [
-            loop.call_later(3, e0.kill),
-            loop.call_later(6, e0.start),
-            loop.call_later(5, redis_down),
-            loop.call_later(8, redis_up),
-            loop.call_later(10, e1.signal, signal.SIGSTOP),
-            loop.call_later(12, e1.signal, signal.SIGCONT),
-        ]
+        return [loop.call_later(3, e0.kill), loop.call_later(6, e0.start), loop.call_later(5, redis_down), loop.call_later(8, redis_up),
+                loop.call_later(10, e1.signal, signal.SIGSTOP), loop.call_later(12, e1.signal, signal.SIGCONT)]
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         handles = chaos()

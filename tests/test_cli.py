@@ -9,44 +9,15 @@ runner = CliRunner()
 
 def test_simulate_writes_the_documented_json(tmp_path, synthetic_trace):
     out, png = tmp_path / "r.json", tmp_path / "g.png"
-    res = runner.invoke(
-        app,
-        [
-            "simulate",
-            "--trace",
-            str(synthetic_trace),
-            "--mix",
-            "latency=1,deadline=1",
-            "--replicas",
-            "2",
-            "--rate-scale",
-            "1,2",
-            "--policies",
-            "gmax+gorouting,fcfs+least-load",
-            "--out",
-            str(out),
-            "--plot",
-            str(png),
-        ],
-    )
+    res = runner.invoke(app, ["simulate", "--trace", str(synthetic_trace), "--mix", "latency=1,deadline=1", "--replicas", "2",
+                              "--rate-scale", "1,2", "--policies", "gmax+gorouting,fcfs+least-load", "--out", str(out), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert doc["config"]["requests"] == 600
     assert len(doc["results"]) == 4
     for row in doc["results"]:
-        for key in (
-            "name",
-            "token_goodput",
-            "request_goodput",
-            "tdg_ratio",
-            "ttft_p50",
-            "ttft_p95",
-            "tbt_p95",
-            "e2e_p50",
-            "throughput_tokens",
-            "shed",
-            "preempted",
-        ):
+        for key in ("name", "token_goodput", "request_goodput", "tdg_ratio", "ttft_p50", "ttft_p95", "tbt_p95", "e2e_p50",
+                    "throughput_tokens", "shed", "preempted"):
             assert key in row
         assert set(row["slo_attainment"]) >= {"latency", "deadline", "all"}
         assert 0 <= row["tdg_ratio"] <= 1
@@ -55,24 +26,9 @@ def test_simulate_writes_the_documented_json(tmp_path, synthetic_trace):
 
 def test_simulate_on_real_data(data_dir, tmp_path):
     out = tmp_path / "r.json"
-    res = runner.invoke(
-        app,
-        [
-            "simulate",
-            "--trace",
-            str(data_dir / "trace_azure2023_conv.csv"),
-            "--workflows",
-            str(data_dir / "workflows_chatdev.jsonl"),
-            "--max-requests",
-            "400",
-            "--rate-scale",
-            "10",
-            "--policies",
-            "gmax+gorouting,slide+gorouting",
-            "--out",
-            str(out),
-        ],
-    )
+    res = runner.invoke(app, ["simulate", "--trace", str(data_dir / "trace_azure2023_conv.csv"), "--workflows",
+                              str(data_dir / "workflows_chatdev.jsonl"), "--max-requests", "400", "--rate-scale", "10",
+                              "--policies", "gmax+gorouting,slide+gorouting", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert {r["name"] for r in json.loads(out.read_text())["results"]} == {"gmax+gorouting", "slide+gorouting"}
 

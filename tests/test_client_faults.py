@@ -26,10 +26,8 @@ MODEL = "sim-model"
 
 def request_bytes(port: int, body: dict, partial: bool = False) -> bytes:
     raw = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(raw)}\r\n\r\n"
-    ).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(raw)}\r\n\r\n").encode()
     return head + (raw[: len(raw) // 2] if partial else raw)
 
 
@@ -37,15 +35,8 @@ async def vanishing_client(port: int, rng: random.Random) -> str:
     """One request; the client disconnects at a random point. Returns where."""
     point = rng.choice(["mid_body", "queued_or_headers", "after_k_events", "non_stream_wait"])
     stream = point != "non_stream_wait"
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "bye"}],
-        "max_tokens": 400,
-        "stream": stream,
-        "extra": "x",
-        "ignore_eos": True,
-        "slo": {"deadline_ms": 60000, "waiting_ms": 60000},
-    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "bye"}], "max_tokens": 400, "stream": stream,
+            "extra": "x", "ignore_eos": True, "slo": {"deadline_ms": 60000, "waiting_ms": 60000}}
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(request_bytes(port, body, partial=point == "mid_body"))
     await writer.drain()
@@ -70,13 +61,9 @@ def engine_running(e: EngineProcess) -> float:
 def test_clients_vanishing_at_random_points_free_their_slots_within_a_second() -> None:
     with ExitStack() as st:
         engines = [st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "200", "--fixed-itl-ms", "20")) for _ in range(2)]
-        cfg = GatewayConfig.model_validate(
-            {
-                "backends": [{"url": e.url, "name": f"e{i}", "models": [MODEL], "budget": 4} for i, e in enumerate(engines)],
-                "policies": {"frame_s": 0.05},
-                "pacing": False,
-            }
-        )
+        cfg = GatewayConfig.model_validate({"backends": [{"url": e.url, "name": f"e{i}", "models": [MODEL], "budget": 4}
+                                                         for i, e in enumerate(engines)],
+                                            "policies": {"frame_s": 0.05}, "pacing": False})
         gw = st.enter_context(ServerThread(create_app(cfg, OnlineLengthPredictor())))
 
         async def run() -> list[str]:
@@ -103,11 +90,8 @@ def test_clients_vanishing_at_random_points_free_their_slots_within_a_second() -
         assert freed_at is not None and freed_at - gone_at <= 1.0, freed_at and freed_at - gone_at
         assert sum(e.metric("slogate_sim_aborted_total") for e in engines) >= 5  # streams cut at the engine, not run to the end
         # The gateway still serves.
-        r = httpx.post(
-            f"{gw.url}/v1/chat/completions",
-            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
-            timeout=30,
-        )
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
+                       timeout=30)
         assert r.status_code == 200
 
 
@@ -121,25 +105,12 @@ def test_slow_readers_do_not_stall_other_streams_and_their_buffers_stay_bounded(
         # thing the two groups share is the gateway.
         slow_eng = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "5", "--fixed-itl-ms", "0.02", model="slow-model"))
         eng = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "5", "--fixed-itl-ms", "1"))
-        cfg = GatewayConfig.model_validate(
-            {
-                "backends": [
-                    {"url": slow_eng.url, "name": "slow", "models": ["slow-model"], "budget": 64},
-                    {"url": eng.url, "name": "e", "models": [MODEL], "budget": 64},
-                ],
-                "policies": {"frame_s": 0.05},
-                "pacing": False,
-            }
-        )
+        cfg = GatewayConfig.model_validate({"backends": [{"url": slow_eng.url, "name": "slow", "models": ["slow-model"], "budget": 64},
+                                                         {"url": eng.url, "name": "e", "models": [MODEL], "budget": 64}],
+                                            "policies": {"frame_s": 0.05}, "pacing": False})
         gw = st.enter_context(ServerThread(create_app(cfg, OnlineLengthPredictor())))
-        slow_body = {
-            "model": "slow-model",
-            "messages": [{"role": "user", "content": "slow"}],
-            "max_tokens": 80_000,
-            "stream": True,
-            "ignore_eos": True,
-            "slo": {"deadline_ms": 600000},
-        }
+        slow_body = {"model": "slow-model", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 80_000, "stream": True,
+                     "ignore_eos": True, "slo": {"deadline_ms": 600000}}
         socks = []
         tracemalloc.start()
         base, _ = tracemalloc.get_traced_memory()
@@ -157,17 +128,9 @@ def test_slow_readers_do_not_stall_other_streams_and_their_buffers_stay_bounded(
         t0 = time.monotonic()
         with httpx.Client(timeout=30) as c:
             for _ in range(10):
-                with c.stream(
-                    "POST",
-                    f"{gw.url}/v1/chat/completions",
-                    json={
-                        "model": MODEL,
-                        "messages": [{"role": "user", "content": "x"}],
-                        "max_tokens": 200,
-                        "stream": True,
-                        "ignore_eos": True,
-                    },
-                ) as r:
+                with c.stream("POST", f"{gw.url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200,
+                                    "stream": True, "ignore_eos": True}) as r:
                     lines = list(r.iter_lines())
                 n = sum(1 for line in lines if line.startswith("data:") and "content" in line)
                 assert r.status_code == 200 and n >= 200, (r.status_code, lines[-3:])

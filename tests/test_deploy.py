@@ -35,11 +35,9 @@ PROFILES = ("sim", "vllm", "sglang")
 
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose's variable interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}."""
-
     def sub(m: re.Match[str]) -> str:
         name, default = m.group(1), m.group(3) or ""
         return env.get(name) or default
-
     return re.sub(r"\$\{(\w+)(:?-([^}]*))?\}", sub, text)
 
 
@@ -216,41 +214,14 @@ def test_k8s_references_hold_together() -> None:
     for b in cfg.backends:
         m = re.match(r"http://([\w-]+)-(\d+)\.([\w-]+):(\d+)$", b.url)
         assert m, b.url
-        assert (
-            m.group(1) == sts["metadata"]["name"]
-            and int(m.group(2)) < sts["spec"]["replicas"]
-            and m.group(3) == headless["metadata"]["name"]
-        )
+        assert m.group(1) == sts["metadata"]["name"] and int(m.group(2)) < sts["spec"]["replicas"] and m.group(3) == headless["metadata"]["name"]
         assert int(m.group(4)) in [p["port"] for p in headless["spec"]["ports"]]
     assert "--scheduling-policy" in sts["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 # ------------------------------------------------------------------ Grafana dashboard vs a live /metrics
-_PROMQL_WORDS = {
-    "sum",
-    "max",
-    "min",
-    "avg",
-    "count",
-    "rate",
-    "irate",
-    "increase",
-    "histogram_quantile",
-    "clamp_min",
-    "clamp_max",
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "and",
-    "or",
-    "unless",
-    "bool",
-    "offset",
-    "label_values",
-    "le",
-    "e",
-}
+_PROMQL_WORDS = {"sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile", "clamp_min", "clamp_max",
+                 "by", "without", "on", "ignoring", "and", "or", "unless", "bool", "offset", "label_values", "le", "e"}
 
 
 def expr_metrics(expr: str) -> tuple[set[str], set[str]]:
@@ -270,9 +241,8 @@ def live_metrics() -> dict[str, set[str]]:
     """Every sample name a live gateway exports → its label names, after real traffic."""
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app("sim-model")))
-        cfg = GatewayConfig.model_validate(
-            {"backends": [{"url": eng.url, "models": ["sim-model"], "budget": 4}], "policies": {"frame_s": 0.05}, "health_interval_s": 0.3}
-        )
+        cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": ["sim-model"], "budget": 4}],
+                                            "policies": {"frame_s": 0.05}, "health_interval_s": 0.3})
         gw = st.enter_context(ServerThread(create_app(cfg, OnlineLengthPredictor())))
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
         for stream in (True, False):
@@ -311,22 +281,9 @@ def test_dashboard_queries_name_only_exported_metrics_and_labels() -> None:
             covered.add(base.removesuffix("_total"))
         assert labels <= allowed, f"{title}: labels {labels - allowed} do not exist on {names}"
     # The issue's panels: goodput, TDG, attainment, TTFT/TBT, queue, shed/retries, in-flight, coverage.
-    for needed in (
-        "slogate_token_goodput",
-        "slogate_request_goodput",
-        "slogate_tdg",
-        "slogate_tdg_ideal",
-        "slogate_requests",
-        "slogate_ttft_seconds",
-        "slogate_tbt_seconds",
-        "slogate_queue_depth",
-        "slogate_queue_wait_seconds",
-        "slogate_shed",
-        "slogate_retries",
-        "slogate_replica_inflight",
-        "slogate_predictor_covered",
-        "slogate_predictor_bounds",
-    ):
+    for needed in ("slogate_token_goodput", "slogate_request_goodput", "slogate_tdg", "slogate_tdg_ideal", "slogate_requests",
+                   "slogate_ttft_seconds", "slogate_tbt_seconds", "slogate_queue_depth", "slogate_queue_wait_seconds", "slogate_shed",
+                   "slogate_retries", "slogate_replica_inflight", "slogate_predictor_covered", "slogate_predictor_bounds"):
         assert needed in covered, f"no panel shows {needed}"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -340,7 +297,7 @@ def test_promql_extraction_catches_a_wrong_name() -> None:
 # ------------------------------------------------------------------ shell commands named in the deploy docs
 def test_commands_in_the_operator_docs_parse() -> None:
     text = (ROOT / "docs" / "operators.md").read_text()
-    cmds = [ln.strip()[len("slogate ") :] for ln in re.findall(r"^\s*slogate .*$", text, re.M)]
+    cmds = [ln.strip()[len("slogate "):] for ln in re.findall(r"^\s*slogate .*$", text, re.M)]
     assert len(cmds) >= 3
     for cmd in cmds:
         cli_parses(shlex.split(cmd.split("#")[0]))
@@ -361,12 +318,8 @@ def test_the_image_build_context_is_enough_to_install_the_package(tmp_path) -> N
             for src in ln.split()[1:-1]:
                 (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(ROOT / src, ctx / src)
     # A wheel, not an install: installing would replace the slogate this test run is using.
-    r = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "whl"), str(ctx)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "whl"), str(ctx)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = (tmp_path / "whl").glob("slogate-*.whl")
     with zipfile.ZipFile(whl) as z:

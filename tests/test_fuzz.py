@@ -24,15 +24,10 @@ EXAMPLES = int(os.environ.get("SLOGATE_FUZZ_EXAMPLES", "25"))
 
 
 def _cfg(urls: list[str]) -> GatewayConfig:
-    return GatewayConfig.model_validate(
-        {
-            "backends": [{"url": u, "models": [MODEL], "budget": 64} for u in urls],
-            "policies": {"frame_s": 0.05},
-            "health_interval_s": 0.5,
-            "tiers": {"high": {"weight": 2}},
-            "slo": {"default": {"kind": "auto", "ttft_ms": 2000, "tbt_ms": 100, "deadline_ms": 20000, "waiting_ms": 10000}},
-        }
-    )
+    return GatewayConfig.model_validate({
+        "backends": [{"url": u, "models": [MODEL], "budget": 64} for u in urls],
+        "policies": {"frame_s": 0.05}, "health_interval_s": 0.5, "tiers": {"high": {"weight": 2}},
+        "slo": {"default": {"kind": "auto", "ttft_ms": 2000, "tbt_ms": 100, "deadline_ms": 20000, "waiting_ms": 10000}}})
 
 
 schema = schemathesis.openapi.from_dict(create_app(_cfg(["http://127.0.0.1:9"])).openapi())
@@ -50,12 +45,7 @@ def live_gateway():
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_fuzz_the_gateway_against_its_openapi_schema(case, live_gateway) -> None:
-    if (
-        case.method == "POST"
-        and isinstance(case.body, dict)
-        and case.meta is not None
-        and case.meta.generation.mode is GenerationMode.POSITIVE
-    ):
+    if case.method == "POST" and isinstance(case.body, dict) and case.meta is not None and case.meta.generation.mode is GenerationMode.POSITIVE:
         # Reach the scheduler and a real engine, not only the 404 for a random model or tier name.
         case.body["model"] = MODEL
         for k in ("priority", "tier"):

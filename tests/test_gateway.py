@@ -26,12 +26,8 @@ MODEL = "sim-model"
 
 def gateway_cfg(urls: list[str], **kw: Any) -> GatewayConfig:
     budget = kw.pop("budget", 16)
-    raw = {
-        "backends": [{"url": u, "models": [MODEL], "budget": budget, **kw.pop("backend_kw", {})} for u in urls],
-        "policies": {"frame_s": 0.05},
-        "health_interval_s": 0.3,
-        **kw,
-    }
+    raw = {"backends": [{"url": u, "models": [MODEL], "budget": budget, **kw.pop("backend_kw", {})} for u in urls],
+           "policies": {"frame_s": 0.05}, "health_interval_s": 0.3, **kw}
     return GatewayConfig.model_validate(raw)
 
 
@@ -66,39 +62,20 @@ def test_chat_completions_responses_stream_and_not(fleet) -> None:
     assert [m.id for m in c.models.list().data] == [MODEL]
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 12 and r.choices[0].message.content.count("tok") == 12
-    chunks = list(
-        c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9, stream=True, extra_body={"ignore_eos": True}
-        )
-    )
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9, stream=True,
+                                            extra_body={"ignore_eos": True}))
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 9
     assert all(ch.choices for ch in chunks)  # the usage chunk the gateway asked for is not passed on
-    chunks = list(
-        c.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=7,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
-    )
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].usage.completion_tokens == 7
     r2 = c.completions.create(model=MODEL, prompt="hello", max_tokens=5, extra_body={"ignore_eos": True})
     assert r2.usage.completion_tokens == 5
-    assert (
-        sum(
-            1
-            for ch in c.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True, extra_body={"ignore_eos": True})
-            if ch.choices and ch.choices[0].text
-        )
-        == 4
-    )
+    assert sum(1 for ch in c.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True, extra_body={"ignore_eos": True})
+               if ch.choices and ch.choices[0].text) == 4
     r3 = c.responses.create(model=MODEL, input="hello", max_output_tokens=6, extra_body={"ignore_eos": True})
     assert r3.usage.output_tokens == 6 and r3.output_text.count("tok") == 6
-    events = [
-        e.type for e in c.responses.create(model=MODEL, input="hello", max_output_tokens=3, stream=True, extra_body={"ignore_eos": True})
-    ]
+    events = [e.type for e in c.responses.create(model=MODEL, input="hello", max_output_tokens=3, stream=True, extra_body={"ignore_eos": True})]
     assert events.count("response.output_text.delta") == 3 and events[-1] == "response.completed"
 
 
@@ -112,17 +89,12 @@ def test_errors_have_the_openai_shape(fleet) -> None:
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"slo": {"tbt_ms": "fast"}})
     assert e2.value.body["param"] == "slo.tbt_ms"
     url = f"{gw.url}/v1/chat/completions"
-    cases = [
-        (b"{not json", 400),
-        (b"[1, 2]", 400),
-        (json.dumps({"model": MODEL}).encode(), 400),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}).encode(), 400),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "slo": {"ttft_ms": float("nan")}}).encode(), 400),
-        (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "priority": "platinum"}).encode(), 400),
-        (b"\xff\xfe\x00", 400),
-        (b"[" * 100_000 + b"]" * 100_000, 400),
-    ]
+    cases = [(b"{not json", 400), (b"[1, 2]", 400), (json.dumps({"model": MODEL}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "slo": {"ttft_ms": float("nan")}}).encode(), 400),
+             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "priority": "platinum"}).encode(), 400),
+             (b"\xff\xfe\x00", 400), (b"[" * 100_000 + b"]" * 100_000, 400)]
     for body, status in cases:
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})
         assert r.status_code == status, (body[:40], r.text)
@@ -150,22 +122,13 @@ def test_client_disconnect_frees_the_slot_and_aborts_upstream(fleet) -> None:
 def test_metrics_count_goodput_per_class(fleet) -> None:
     gw, _ = fleet
     before = metric(gw.url, "slogate_token_goodput_total", slo_class="deadline")
-    client(gw).chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "x"}],
-        max_tokens=10,
-        extra_body={"ignore_eos": True, "slo": {"deadline_ms": 60000}},
-    )
+    client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10,
+                                       extra_body={"ignore_eos": True, "slo": {"deadline_ms": 60000}})
     after = metric(gw.url, "slogate_token_goodput_total", slo_class="deadline")
     assert after - before == pytest.approx(10 + len("x") // 4 + 1 - 1 + 1, abs=2)  # input (estimated) + 10 output tokens
     text = httpx.get(f"{gw.url}/metrics").text
-    for name in (
-        "slogate_ttft_seconds_bucket",
-        "slogate_queue_depth",
-        "slogate_replica_healthy",
-        "slogate_gateway_overhead_seconds_count",
-        "slogate_predictor_bounds_total",
-    ):
+    for name in ("slogate_ttft_seconds_bucket", "slogate_queue_depth", "slogate_replica_healthy", "slogate_gateway_overhead_seconds_count",
+                 "slogate_predictor_bounds_total"):
         assert name in text
 
 
@@ -181,20 +144,9 @@ def test_health(fleet) -> None:
 def test_waiting_time_and_full_queue_refuse_with_retry_after() -> None:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL)))
-        gw = st.enter_context(
-            ServerThread(
-                create_app(
-                    gateway_cfg([eng.url], budget=1, max_queue=2, policies={"ordering": "fcfs", "placement": "least-load", "frame_s": 0.05})
-                )
-            )
-        )
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 200,
-            "ignore_eos": True,
-            "slo": {"deadline_ms": 60000, "waiting_ms": 150},
-        }
+        gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url], budget=1, max_queue=2, policies={"ordering": "fcfs", "placement": "least-load", "frame_s": 0.05}))))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "ignore_eos": True,
+                "slo": {"deadline_ms": 60000, "waiting_ms": 150}}
         results: list[httpx.Response] = []
 
         def send() -> None:
@@ -218,13 +170,8 @@ def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue() -> None:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL)))
         gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url], budget=1))))
-        long = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 300,
-            "ignore_eos": True,
-            "slo": {"deadline_ms": 60000, "waiting_ms": 60000},
-        }
+        long = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 300, "ignore_eos": True,
+                "slo": {"deadline_ms": 60000, "waiting_ms": 60000}}
         holder = threading.Thread(target=lambda: httpx.post(f"{gw.url}/v1/chat/completions", json=long, timeout=30))
         holder.start()
         time.sleep(0.3)
@@ -257,14 +204,9 @@ def capture_backend(status: int = 200) -> tuple[FastAPI, list[dict[str, Any]]]:
             from fastapi.responses import JSONResponse
 
             return JSONResponse({"error": {"message": "boom"}}, status_code=status)
-        return {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 0,
-            "model": MODEL,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }
+        return {"id": "c", "object": "chat.completion", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
     return app, seen
 
@@ -296,23 +238,16 @@ def test_our_fields_are_stripped_and_priority_passed_to_priority_backends() -> N
         gw = st.enter_context(ServerThread(create_app(cfg)))
         cfg2 = gateway_cfg([prio.url], backend_kw={"priority_scheduling": True}, tiers={"default": {}, "high": {"weight": 2}})
         gw2 = st.enter_context(ServerThread(create_app(cfg2)))
-        extra = {
-            "slo": {"ttft_ms": 500, "tbt_ms": 50},
-            "workflow": {"id": "w1", "stage": 0},
-            "deadline": 3,
-            "priority": "high",
-            "service_tier": "priority",
-            "target_tbt": 0.1,
-        }
+        extra = {"slo": {"ttft_ms": 500, "tbt_ms": 50}, "workflow": {"id": "w1", "stage": 0}, "deadline": 3, "priority": "high",
+                 "service_tier": "priority", "target_tbt": 0.1}
         client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body=extra)
         assert not set(seen[-1]) & {"slo", "workflow", "deadline", "priority", "service_tier", "target_tbt"}
         client(gw2).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"priority": "high"})
         assert pseen[-1]["priority"] == -20  # heavier tier runs first on vLLM
         client(gw2).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"priority": 3})
         assert pseen[-1]["priority"] == 3
-        client(gw).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=False, extra_body={"priority": 3}
-        )
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=False,
+                                           extra_body={"priority": 3})
         assert "priority" not in seen[-1]
 
 
@@ -331,13 +266,8 @@ def streaming_backend(before_s: float, between_s: float, crash: bool) -> FastAPI
         async def gen():
             await asyncio.sleep(before_s)
             for i in range(3):
-                chunk = {
-                    "id": "x",
-                    "object": "chat.completion.chunk",
-                    "created": 0,
-                    "model": MODEL,
-                    "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}],
-                }
+                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                         "choices": [{"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
                 await asyncio.sleep(between_s)
             if crash:
@@ -356,9 +286,8 @@ def test_a_stream_that_breaks_after_the_first_byte_ends_with_an_error_event() ->
         gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url]))))
         got = []
         with pytest.raises(openai.APIError, match="upstream stream failed"):
-            for ch in client(gw).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, extra_body={"slo": {"deadline_ms": 5000}}
-            ):
+            for ch in client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True,
+                                                         extra_body={"slo": {"deadline_ms": 5000}}):
                 got.append(ch.choices[0].delta.content)
         assert got == ["t0", "t1", "t2"]
         assert metric(gw.url, "slogate_requests_total", outcome="failed") == 1
@@ -382,13 +311,8 @@ def role_then_crash_backend() -> FastAPI:
         calls.append(1)
 
         async def gen():
-            chunk = {
-                "id": "x",
-                "object": "chat.completion.chunk",
-                "created": 0,
-                "model": MODEL,
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-            }
+            chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             await asyncio.sleep(0.05)
             raise RuntimeError("engine crashed before the first token")
@@ -408,9 +332,8 @@ def test_a_stream_that_fails_before_its_first_token_moves_to_another_replica() -
         gw = st.enter_context(ServerThread(create_app(cfg)))
         texts = []
         for _ in range(4):
-            out = client(gw).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=5, extra_body={"ignore_eos": True}
-            )
+            out = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=5,
+                                                     extra_body={"ignore_eos": True})
             texts.append("".join(ch.choices[0].delta.content or "" for ch in out if ch.choices))
         assert all(t for t in texts)  # every stream completed, on the other replica
         assert bad.state.calls, "the failing replica was never tried"
@@ -429,21 +352,15 @@ def test_keepalive_comments_while_the_first_token_is_slow() -> None:
             lines = [ln for ln in r.iter_lines() if ln]
         assert lines.count(": keep-alive") >= 2
         assert [ln for ln in lines if ln.startswith("data: {")].__len__() == 3 and lines[-1] == "data: [DONE]"
-        got = [
-            ch.choices[0].delta.content
-            for ch in client(gw).chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, extra_body={"slo": {"deadline_ms": 5000}}
-            )
-        ]
+        got = [ch.choices[0].delta.content for ch in client(gw).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, extra_body={"slo": {"deadline_ms": 5000}})]
         assert got == ["t0", "t1", "t2"]  # the SDK ignores the comments
 
 
 def test_compose_style_config_file_loads(tmp_path) -> None:
     p = tmp_path / "gw.yaml"
-    p.write_text(
-        "backends:\n  - url: http://127.0.0.1:8001\n    budget: 8\npolicies: {ordering: edf, placement: p2c}\n"
-        "tiers: {high: {weight: 3, slo: {ttft_ms: 800}}}\n"
-    )
+    p.write_text("backends:\n  - url: http://127.0.0.1:8001\n    budget: 8\npolicies: {ordering: edf, placement: p2c}\n"
+                 "tiers: {high: {weight: 3, slo: {ttft_ms: 800}}}\n")
     cfg = load_config(p, env={"SLOGATE_FRAME_S": "0.1"})
     assert cfg.backends[0].budget == 8 and cfg.policies.ordering == "edf" and cfg.policies.frame_s == 0.1
     assert set(cfg.tiers) == {"default", "high"}

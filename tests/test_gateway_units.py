@@ -12,14 +12,12 @@ from gateway.slo import WorkflowRegistry, resolve
 from gateway.sse import inspect
 from router.request import SLOClass
 
-CFG = GatewayConfig.model_validate(
-    {
-        "backends": [{"url": "http://127.0.0.1:1"}],
-        "slo": {"models": {"m": {"tbt_ms": 80}}},
-        "tiers": {"default": {}, "high": {"weight": 2, "slo": {"ttft_ms": 700}}, "low": {"weight": 0.5, "slo": {"kind": "best_effort"}}},
-        "service_tiers": {"priority": "high", "flex": "low"},
-    }
-)
+CFG = GatewayConfig.model_validate({
+    "backends": [{"url": "http://127.0.0.1:1"}],
+    "slo": {"models": {"m": {"tbt_ms": 80}}},
+    "tiers": {"default": {}, "high": {"weight": 2, "slo": {"ttft_ms": 700}}, "low": {"weight": 0.5, "slo": {"kind": "best_effort"}}},
+    "service_tiers": {"priority": "high", "flex": "low"},
+})
 
 
 def r(body: dict, headers: dict | None = None, now: float = 100.0):
@@ -65,24 +63,11 @@ def test_workflows_share_one_deadline() -> None:
     assert h.workflow is not None and h.stage == 2
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"slo": {"ttft_ms": 0}},
-        {"slo": {"ttft_ms": -1}},
-        {"slo": {"ttft_ms": 1e12}},
-        {"slo": {"ttft_ms": True}},
-        {"slo": {"ttft_ms": "nan"}},
-        {"slo": {"speed": 1}},
-        {"slo": []},
-        {"slo": {"kind": "urgent"}},
-        {"deadline": -2},
-        {"priority": "gold"},
-        {"priority": 1.5},
-        {"workflow": {"stage": 1}},
-        {"workflow": {"id": "w", "stage": -1}},
-    ],
-)
+@pytest.mark.parametrize("body", [
+    {"slo": {"ttft_ms": 0}}, {"slo": {"ttft_ms": -1}}, {"slo": {"ttft_ms": 1e12}}, {"slo": {"ttft_ms": True}},
+    {"slo": {"ttft_ms": "nan"}}, {"slo": {"speed": 1}}, {"slo": []}, {"slo": {"kind": "urgent"}}, {"deadline": -2},
+    {"priority": "gold"}, {"priority": 1.5}, {"workflow": {"stage": 1}}, {"workflow": {"id": "w", "stage": -1}},
+])
 def test_invalid_slo_values_are_400s(body: dict) -> None:
     with pytest.raises(APIError) as e:
         r(body)
@@ -114,7 +99,6 @@ def test_paced_stream_releases_on_time() -> None:
             loop = asyncio.get_running_loop()
             for i in range(5):
                 yield i, 1, loop.time()
-
         p = Pacer(0.02, clock=asyncio.get_running_loop().time)
         out = []
         async for _ in paced(src(), p):

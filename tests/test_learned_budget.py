@@ -40,9 +40,8 @@ def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> F
     async def metrics() -> Any:
         from fastapi.responses import PlainTextResponse
 
-        return PlainTextResponse(
-            f'vllm:num_requests_running{{model_name="{MODEL}"}} {state["running"]}\nvllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
-        )
+        return PlainTextResponse(f'vllm:num_requests_running{{model_name="{MODEL}"}} {state["running"]}\n'
+                                 f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n')
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict[str, Any]) -> StreamingResponse:
@@ -55,13 +54,8 @@ def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> F
                     await asyncio.sleep(base_s + per_seq_s * state["running"])
                     if silent_every and i % silent_every == 0:
                         continue
-                    chunk = {
-                        "id": "x",
-                        "object": "chat.completion.chunk",
-                        "created": 0,
-                        "model": MODEL,
-                        "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}],
-                    }
+                    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                             "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}]}
                     if so.get("continuous_usage_stats"):
                         chunk["usage"] = {"prompt_tokens": 1, "completion_tokens": i, "total_tokens": i + 1}
                     yield f"data: {json.dumps(chunk)}\n\n".encode()
@@ -81,15 +75,9 @@ async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = 
     slack, so the replica may run them at up to 1.5 × their TBT (router/capacity.affordable_pace)."""
     gaps: list[tuple[float, float]] = []
     stop = time.monotonic() + seconds
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 30,
-        "stream": True,
-        "slo": {"kind": "latency", "ttft_ms": 10000, "tbt_ms": 50, "waiting_ms": 30000},
-    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "stream": True,
+            "slo": {"kind": "latency", "ttft_ms": 10000, "tbt_ms": 50, "waiting_ms": 30000}}
     async with aiohttp.ClientSession() as s:
-
         async def loop() -> None:
             while time.monotonic() < stop:
                 async with s.post(f"{url}/v1/chat/completions", json=body) as r:
@@ -102,7 +90,6 @@ async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = 
                             if last is not None:
                                 gaps.append((now, now - last))
                             last = now
-
         await asyncio.gather(*(loop() for _ in range(n)))
     cut = stop - seconds / 3
     return sorted(g for t, g in gaps if t >= cut)
@@ -111,15 +98,9 @@ async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = 
 def run(learn: bool, silent_every: int = 0, lines: list[bytes] | None = None) -> tuple[float, float]:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(batching_engine(0.010, 0.005, silent_every)))  # 10 ms + 5 ms per sequence
-        cfg = GatewayConfig.model_validate(
-            {
-                "backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 32}],
-                "policies": {"frame_s": 0.05},
-                "health_interval_s": 0.5,
-                "pacing": False,
-                "capacity": {"learn": learn},
-            }
-        )
+        cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 32}],
+                                            "policies": {"frame_s": 0.05}, "health_interval_s": 0.5, "pacing": False,
+                                            "capacity": {"learn": learn}})
         gw = st.enter_context(ServerThread(create_app(cfg)))
         gaps = asyncio.run(clients(gw.url, 20, 15, lines))
         budget = gauge(gw.url, "slogate_replica_budget", backend="e")
@@ -152,34 +133,19 @@ def test_chunks_that_carry_several_tokens_are_counted_per_token() -> None:
 def test_traffic_that_bypasses_the_gateway_takes_from_the_budget() -> None:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL, fixed_ttft_ms=10, fixed_itl_ms=100)))
-        cfg = GatewayConfig.model_validate(
-            {
-                "backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 16}],
-                "policies": {"frame_s": 0.05},
-                "health_interval_s": 0.3,
-            }
-        )
+        cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 16}],
+                                            "policies": {"frame_s": 0.05}, "health_interval_s": 0.3})
         gw = st.enter_context(ServerThread(create_app(cfg)))
         assert gauge(gw.url, "slogate_replica_budget", backend="e") == 16
 
         async def direct() -> None:  # six long streams straight to the engine
             async with httpx.AsyncClient(timeout=30) as c:
-
                 async def one() -> None:
-                    async with c.stream(
-                        "POST",
-                        f"{eng.url}/v1/chat/completions",
-                        json={
-                            "model": MODEL,
-                            "messages": [{"role": "user", "content": "x"}],
-                            "max_tokens": 40,
-                            "stream": True,
-                            "ignore_eos": True,
-                        },
-                    ) as r:
+                    async with c.stream("POST", f"{eng.url}/v1/chat/completions",
+                                        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40,
+                                              "stream": True, "ignore_eos": True}) as r:
                         async for _ in r.aiter_lines():
                             pass
-
                 task = asyncio.gather(*(one() for _ in range(6)))
                 await asyncio.sleep(2.5)
                 seen.append(gauge(gw.url, "slogate_replica_external_load", backend="e") or 0)

@@ -14,14 +14,8 @@ def test_a_thousand_concurrent_streams_through_one_gateway_all_complete() -> Non
     clients, tokens = 1000, 20
     procs, gw, url, _ = start_fleet(4, clients // 4 + 10, 100, 500, {"pacing": True, "capacity": {"learn": False}})
     try:
-        body = {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "load"}],
-            "max_tokens": tokens,
-            "stream": True,
-            "ignore_eos": True,
-            "slo": {"kind": "latency", "ttft_ms": 5000, "tbt_ms": 1000, "waiting_ms": 30000},
-        }
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "load"}], "max_tokens": tokens, "stream": True,
+                "ignore_eos": True, "slo": {"kind": "latency", "ttft_ms": 5000, "tbt_ms": 1000, "waiting_ms": 30000}}
         peak = 0
 
         async def run():
@@ -30,7 +24,6 @@ def test_a_thousand_concurrent_streams_through_one_gateway_all_complete() -> Non
                 while True:
                     peak = max(peak, rss_mb(gw.pid))
                     await asyncio.sleep(1)
-
             w = asyncio.create_task(watch())
             rep = await closed_loop(url, clients, 12, body, timeout_s=90, ramp_s=5)
             w.cancel()

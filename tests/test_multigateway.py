@@ -23,12 +23,8 @@ BUDGET = 4
 
 
 def spawn(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-c", "from slogate.cli import app; app()", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    return subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def up(url: str, timeout: float = 30) -> None:
@@ -48,11 +44,8 @@ def start_redis(port: int, d: Path) -> subprocess.Popen[bytes]:
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed")
-    p = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 10:
         try:
@@ -88,12 +81,9 @@ def cluster(request, tmp_path: Path, redis_url: str):
             engines.append(f"http://127.0.0.1:{p}")
         cfg = tmp_path / "gw.yaml"
         prefix = f"mg{os.getpid()}{time.monotonic_ns()}"
-        cfg.write_text(
-            "backends:\n"
-            + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: {BUDGET}}}\n" for u in engines)
-            + f"state: {{kind: redis, url: '{redis_url}', prefix: {prefix}, sync_s: 0.05, lease_s: 5}}\n"
-            + "health_interval_s: 0.5\n"
-        )
+        cfg.write_text("backends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: {BUDGET}}}\n" for u in engines)
+                       + f"state: {{kind: redis, url: '{redis_url}', prefix: {prefix}, sync_s: 0.05, lease_s: 5}}\n"
+                       + "health_interval_s: 0.5\n")
         for _ in range(3):
             p = free_port()
             procs.append(spawn(["serve", "--config", str(cfg), "--port", str(p), "--log-level", "warning"]))
@@ -116,16 +106,10 @@ def cluster(request, tmp_path: Path, redis_url: str):
 
 async def drive(gateways: list[str], n: int, concurrency: int) -> dict[int, int]:
     codes: dict[int, int] = {}
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 2,
-        "ignore_eos": True,
-        "slo": {"deadline_ms": 120000, "waiting_ms": 120000},
-    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "ignore_eos": True,
+            "slo": {"deadline_ms": 120000, "waiting_ms": 120000}}
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 10)) as c:
-
         async def one(i: int) -> None:
             async with sem:
                 try:
@@ -134,7 +118,6 @@ async def drive(gateways: list[str], n: int, concurrency: int) -> dict[int, int]
                 except httpx.HTTPError as e:
                     codes[-1] = codes.get(-1, 0) + 1
                     print("client error:", type(e).__name__, e)
-
         await asyncio.gather(*(one(i) for i in range(n)))
     return codes
 

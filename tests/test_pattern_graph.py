@@ -19,12 +19,8 @@ def chain(key_out: list[int], labels: list[str] | None = None, gap: float = 0.0)
 
 
 def test_graph_has_llm_and_tool_nodes_and_stage_super_nodes() -> None:
-    calls = [
-        WfCall(0, 0, 100, 40, [], 0.0, "plan"),
-        WfCall(1, 1, 200, 80, [0], 2.0, "act"),
-        WfCall(2, 1, 210, 20, [0], 0.0, "act"),
-        WfCall(3, 2, 300, 10, [1, 2], 0.0, "answer"),
-    ]
+    calls = [WfCall(0, 0, 100, 40, [], 0.0, "plan"), WfCall(1, 1, 200, 80, [0], 2.0, "act"), WfCall(2, 1, 210, 20, [0], 0.0, "act"),
+             WfCall(3, 2, 300, 10, [1, 2], 0.0, "answer")]
     g = workflow_graph(calls)
     assert nx.is_directed_acyclic_graph(g)
     assert g.nodes[("gap", 1)]["kind"] == "tool" and g.has_edge(0, ("gap", 1)) and g.has_edge(("gap", 1), 1)
@@ -102,17 +98,8 @@ def _write_workflows(path: Path, n: int) -> Path:
     for i in range(n):
         kind = i % 2
         outs = [20, 600, 30] if kind == 0 else [600, 20, 20, 20, 20]
-        calls = [
-            {
-                "call_id": j,
-                "stage": j,
-                "input_tokens": 100,
-                "output_tokens": int(o * rng.uniform(0.8, 1.2)),
-                "parent_ids": [j - 1] if j else [],
-                "phase": f"p{kind}{j}",
-            }
-            for j, o in enumerate(outs)
-        ]
+        calls = [{"call_id": j, "stage": j, "input_tokens": 100, "output_tokens": int(o * rng.uniform(0.8, 1.2)),
+                  "parent_ids": [j - 1] if j else [], "phase": f"p{kind}{j}"} for j, o in enumerate(outs)]
         lines.append(json.dumps({"workflow_id": f"w{i}", "calls": calls}))
     path.write_text("\n".join(lines) + "\n")
     return path

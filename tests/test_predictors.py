@@ -21,10 +21,8 @@ SMALL = ForestParams(n_estimators=16, min_samples_leaf=8, max_samples=0.5)
 
 
 def _rows(n: int = 3000, seed: int = 0) -> list[PromptRow]:
-    return [
-        PromptRow(PromptInput(r["prompt"], r["model"]), r["response_len_tokens_cl100k"], r["prompt_len_tokens_cl100k"], "synthetic")
-        for r in synthetic_prompt_rows(n, seed)
-    ]
+    return [PromptRow(PromptInput(r["prompt"], r["model"]), r["response_len_tokens_cl100k"], r["prompt_len_tokens_cl100k"], "synthetic")
+            for r in synthetic_prompt_rows(n, seed)]
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +36,7 @@ def trained() -> tuple[LengthModel, list[PromptRow], list[PromptRow]]:
 
 # ------------------------------------------------------------------ features
 def test_cues_and_explicit_limits_are_read_from_the_text() -> None:
-    f = dict(
-        zip(
-            HAND_FEATURES,
-            hand_features(PromptInput("Write a Python function; explain step by step. Keep it under 100 words.")),
-            strict=True,
-        )
-    )
+    f = dict(zip(HAND_FEATURES, hand_features(PromptInput("Write a Python function; explain step by step. Keep it under 100 words.")), strict=True))
     assert f["cue_code"] == 1 and f["cue_step_by_step"] == 1 and f["cue_translate"] == 0
     assert asked_tokens("answer in 100 words") == pytest.approx(130)
     assert asked_tokens("write three paragraphs") == pytest.approx(330)
@@ -53,13 +45,8 @@ def test_cues_and_explicit_limits_are_read_from_the_text() -> None:
 
 
 def test_prompt_from_body_reads_chat_completions_and_responses_shapes() -> None:
-    chat = prompt_from_body(
-        {
-            "model": "m",
-            "max_tokens": 64,
-            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi there"}]}],
-        }
-    )
+    chat = prompt_from_body({"model": "m", "max_tokens": 64, "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi there"}]}]})
     assert chat.text == "be brief\n\nhi there" and chat.n_messages == 2 and chat.max_tokens == 64 and chat.model == "m"
     assert prompt_from_body({"prompt": "complete me"}).text == "complete me"
     resp = prompt_from_body({"input": "respond", "max_output_tokens": 10})
@@ -139,9 +126,7 @@ def test_save_load_round_trip(tmp_path: Path, trained) -> None:
     assert size < 50e6
     m2 = LengthModel.load(p)
     base = m.featurize([r.prompt for r in test[:20]])
-    assert np.array_equal(
-        m.predict_remaining(base, np.zeros(20)), m2.predict_remaining(m2.featurize([r.prompt for r in test[:20]]), np.zeros(20))
-    )
+    assert np.array_equal(m.predict_remaining(base, np.zeros(20)), m2.predict_remaining(m2.featurize([r.prompt for r in test[:20]]), np.zeros(20)))
     bad = tmp_path / "bad.model"
     import joblib
 
@@ -252,16 +237,7 @@ def test_train_and_eval_cli_write_the_documented_report(tmp_path: Path, syntheti
     r = CliRunner().invoke(app, ["eval-predictor", "--model", str(model), "--data", str(synthetic_prompts), "--out", str(report)])
     assert r.exit_code == 0, r.output
     rep = json.loads(report.read_text())
-    keys = {
-        "coverage_at_0",
-        "coverage_at_50",
-        "coverage_at_100",
-        "coverage_at_200",
-        "mean_ratio_at_0",
-        "p50_ratio_at_0",
-        "mean_ratio_at_100",
-        "pinball_at_0",
-    }
+    keys = {"coverage_at_0", "coverage_at_50", "coverage_at_100", "coverage_at_200", "mean_ratio_at_0", "p50_ratio_at_0", "mean_ratio_at_100", "pinball_at_0"}
     assert rep["quantile"] == 0.9 and rep["n"] > 300
     assert keys <= rep["model"].keys()
     assert keys <= rep["baselines"]["global_quantile"].keys() and keys <= rep["baselines"]["length_bucket"].keys()
@@ -289,9 +265,8 @@ def test_evaluate_on_real_prompts(data_dir: Path) -> None:
     """The acceptance split on a subsample of the real data (the full run is in docs/benchmarks.md)."""
     rows = load_prompt_rows([data_dir / f"prompts_{s}.jsonl" for s in ("gpteacher", "gsm8k", "hhrlhf")])[::3]
     train, test = split_rows(rows, 0.2)
-    m = LengthModel(forest_params=ForestParams(n_estimators=24)).fit(
-        [r.prompt for r in train], [r.true_len for r in train], [r.prompt.text for r in train]
-    )
+    m = LengthModel(forest_params=ForestParams(n_estimators=24)).fit([r.prompt for r in train], [r.true_len for r in train],
+                                                                     [r.prompt.text for r in train])
     rep = evaluate(m, train, test)
     assert abs(rep["model"]["coverage_at_0"] - 0.9) <= 0.05
     assert rep["model"]["mean_ratio_at_0"] <= 0.75 * rep["baselines"]["global_quantile"]["mean_ratio_at_0"]

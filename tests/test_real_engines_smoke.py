@@ -22,29 +22,8 @@ def test_real_engine_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     if not (ROOT.parent / "shared" / "data" / "trace_azure2023_conv.csv").exists():
         pytest.skip("../shared/data is not there")
     out = tmp_path / "real.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "real_engines.py"),
-            "--vllm-python",
-            py,
-            "--replicas",
-            "1",
-            "--rates",
-            "2",
-            "--repeats",
-            "1",
-            "--duration",
-            "8",
-            "--warmup",
-            "3",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--vllm-python", py, "--replicas", "1", "--rates", "2",
+                        "--repeats", "1", "--duration", "8", "--warmup", "3", "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     systems = {row["system"] for row in rows}
@@ -52,9 +31,7 @@ def test_real_engine_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     for row in rows:
         assert row["sent"] > 0 and row["errors"] == 0, row
         assert row["ideal_goodput"] > 0 and row["token_goodput"] <= row["ideal_goodput"] + 0.1, row
-    table = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "real_engines.py"), "--report", str(out)], capture_output=True, text=True, timeout=60
-    )
+    table = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--report", str(out)], capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and all(f"| {s} |" in table.stdout for s in systems), table.stdout + table.stderr
 
 

@@ -29,9 +29,7 @@ def test_every_config_key_is_documented_and_every_documented_key_exists() -> Non
     for name in GatewayConfig.model_fields:
         assert name in paths
     # A nested key the docs name is accepted by the config, and a misspelt one is rejected.
-    GatewayConfig.model_validate(
-        {"state": {"lease_s": 3}, "auth": {"keys": [{"sha256": "0" * 64, "tenant": "t", "slo_floor": {"tbt_ms": 5}}]}}
-    )
+    GatewayConfig.model_validate({"state": {"lease_s": 3}, "auth": {"keys": [{"sha256": "0" * 64, "tenant": "t", "slo_floor": {"tbt_ms": 5}}]}})
     with pytest.raises(ValueError):
         GatewayConfig.model_validate({"state": {"lease": 3}})
 
@@ -42,15 +40,8 @@ def test_metrics_reference_lists_every_registered_metric() -> None:
     assert len(names) >= 20 and all(f"`{n}" in text for n in names)
 
 
-SAMPLE = {
-    "SLOGATE_BACKENDS": "http://a:1,http://b:2",
-    "SLOGATE_ORDERING": "edf",
-    "SLOGATE_PLACEMENT": "p2c",
-    "SLOGATE_FRAME_S": "0.7",
-    "SLOGATE_MAX_QUEUE": "17",
-    "SLOGATE_REDIS_URL": "redis://r:1/0",
-    "SLOGATE_PREDICTOR_MODEL": "/m.joblib",
-}
+SAMPLE = {"SLOGATE_BACKENDS": "http://a:1,http://b:2", "SLOGATE_ORDERING": "edf", "SLOGATE_PLACEMENT": "p2c", "SLOGATE_FRAME_S": "0.7",
+          "SLOGATE_MAX_QUEUE": "17", "SLOGATE_REDIS_URL": "redis://r:1/0", "SLOGATE_PREDICTOR_MODEL": "/m.joblib"}
 
 
 @pytest.mark.parametrize("var", [v for v in ENV_OVERRIDES if v != "SLOGATE_CONFIG"])
@@ -76,9 +67,7 @@ def _sample(unit: str) -> object:
 
 @pytest.mark.parametrize("name,unit,_", BODY_FIELDS)
 def test_every_documented_body_field_takes_effect(name: str, unit: str, _: str) -> None:
-    cfg = GatewayConfig.model_validate(
-        {"backends": [{"url": "http://x:1"}], "tiers": {"high": {"weight": 2}}, "service_tiers": {"priority": "high"}}
-    )
+    cfg = GatewayConfig.model_validate({"backends": [{"url": "http://x:1"}], "tiers": {"high": {"weight": 2}}, "service_tiers": {"priority": "high"}})
     head, _dot, leaf = name.partition(".")
     value = _sample(unit)
     if name == "slo.kind":
@@ -92,13 +81,7 @@ def test_every_documented_body_field_takes_effect(name: str, unit: str, _: str) 
         body["workflow"] = {"id": "w", leaf: value}  # type: ignore[dict-item]
     base = resolve({"model": "m", "messages": []}, {}, cfg, WorkflowRegistry(), now=0.0)
     got = resolve(body, {}, cfg, WorkflowRegistry(), now=0.0)
-    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage) != (
-        base.slo,
-        base.tier,
-        base.waiting_s,
-        base.workflow,
-        base.stage,
-    ), name
+    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage) != (base.slo, base.tier, base.waiting_s, base.workflow, base.stage), name
     assert head not in got.body or head == "service_tier"  # ours are removed before going upstream; OpenAI's field stays
     bad = dict(body)
     if unit in ("ms", "s"):
@@ -118,17 +101,10 @@ def test_every_documented_header_takes_effect(name: str, unit: str, _: str) -> N
         headers["x-slogate-workflow-id"] = "w"
     if name == "x-slogate-workflow-deadline-ms":
         headers["x-slogate-workflow-id"] = "w"
-    base = resolve(
-        {"model": "m"}, {"x-slogate-workflow-id": "w"} if "workflow" in name and "id" not in name else {}, cfg, WorkflowRegistry(), now=0.0
-    )
+    base = resolve({"model": "m"}, {"x-slogate-workflow-id": "w"} if "workflow" in name and "id" not in name else {}, cfg,
+                   WorkflowRegistry(), now=0.0)
     got = resolve({"model": "m"}, headers, cfg, WorkflowRegistry(), now=0.0)
-    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage) != (
-        base.slo,
-        base.tier,
-        base.waiting_s,
-        base.workflow,
-        base.stage,
-    ), name
+    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage) != (base.slo, base.tier, base.waiting_s, base.workflow, base.stage), name
 
 
 def test_slo_reference_names_the_precedence_and_every_entry() -> None:

@@ -71,14 +71,8 @@ def test_length_estimators():
 
 
 def test_compound_workflows_run_stage_by_stage(data_dir):
-    cfg = SimConfig(
-        trace=str(data_dir / "trace_azure2023_conv.csv"),
-        workflows=str(data_dir / "workflows_tot_game24.jsonl"),
-        mix="compound=1",
-        replicas=2,
-        rate_scale=1.0,
-        max_requests=200,
-    )
+    cfg = SimConfig(trace=str(data_dir / "trace_azure2023_conv.csv"), workflows=str(data_dir / "workflows_tot_game24.jsonl"),
+                    mix="compound=1", replicas=2, rate_scale=1.0, max_requests=200)
     row = Experiment(cfg).run("gmax+gorouting")
     assert row["units"]["compound"] >= 2
     assert row["slo_attainment"]["compound"] is not None
@@ -95,8 +89,7 @@ def test_qrf_predictor_pairs_requests_with_real_prompts_and_batches(tmp_path, sy
 
     train, _ = split_rows(load_prompt_rows([synthetic_prompts]), 0.3)
     m = LengthModel(n_hash=2**14, forest_params=ForestParams(n_estimators=12)).fit(
-        [r.prompt for r in train], [r.true_len for r in train], [r.prompt.text for r in train]
-    )
+        [r.prompt for r in train], [r.true_len for r in train], [r.prompt.text for r in train])
     m.meta.update(heldout_fraction=0.3, split_salt="")
     m.save(tmp_path / "len.model")
     cfg = _cfg(synthetic_trace, predictor="qrf", predictor_model=str(tmp_path / "len.model"), prompts=str(synthetic_prompts))
@@ -109,24 +102,10 @@ def test_qrf_predictor_pairs_requests_with_real_prompts_and_batches(tmp_path, sy
 def test_pattern_stage_estimates_set_sub_deadlines_from_history(data_dir):
     rows = {}
     for se in ("uniform", "pattern", "oracle"):
-        cfg = SimConfig(
-            trace=str(data_dir / "trace_azure2023_conv.csv"),
-            workflows=str(data_dir / "workflows_chatdev.jsonl"),
-            mix="compound=1",
-            replicas=2,
-            rate_scale=1.0,
-            max_requests=300,
-            stage_estimate=se,
-        )
+        cfg = SimConfig(trace=str(data_dir / "trace_azure2023_conv.csv"), workflows=str(data_dir / "workflows_chatdev.jsonl"),
+                        mix="compound=1", replicas=2, rate_scale=1.0, max_requests=300, stage_estimate=se)
         rows[se] = Experiment(cfg).run("gmax+gorouting")
         assert rows[se]["units"]["compound"] >= 2
     with pytest.raises(ValueError, match="stage estimate"):
-        Experiment(
-            SimConfig(
-                trace=str(data_dir / "trace_azure2023_conv.csv"),
-                workflows=str(data_dir / "workflows_chatdev.jsonl"),
-                mix="compound=1",
-                max_requests=10,
-                stage_estimate="psychic",
-            )
-        ).run("gmax+gorouting")
+        Experiment(SimConfig(trace=str(data_dir / "trace_azure2023_conv.csv"), workflows=str(data_dir / "workflows_chatdev.jsonl"),
+                             mix="compound=1", max_requests=10, stage_estimate="psychic")).run("gmax+gorouting")

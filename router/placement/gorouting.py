@@ -114,5 +114,5 @@ class GoRoutingPD(GoRouting):
         p_inst = self._choose(now, req, prefill)
         if p_inst is None or not decode:
             return None
-        d_inst = max(decode, key=lambda p: p.free_kv_blocks if p.free_kv_blocks is not None else -p.inflight)
+        d_inst = max(decode, key=lambda p: (p.free_kv_blocks if p.free_kv_blocks is not None else -p.inflight))
         return p_inst, d_inst

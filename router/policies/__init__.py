@@ -6,17 +6,6 @@ from router.policies.slide import SlideBatching
 from router.policies.vtc import WeightedVTC
 
 __all__ = [
-    "EDF",
-    "FCFS",
-    "GMAX",
-    "LTR",
-    "PLAS",
-    "SJF",
-    "KeyOrdering",
-    "OrderingPolicy",
-    "Selection",
-    "SimulatedAnnealing",
-    "SlideBatching",
-    "StrictPriority",
-    "WeightedVTC",
+    "EDF", "FCFS", "GMAX", "LTR", "PLAS", "SJF", "KeyOrdering", "OrderingPolicy", "Selection",
+    "SimulatedAnnealing", "SlideBatching", "StrictPriority", "WeightedVTC",
 ]

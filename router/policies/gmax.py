@@ -109,11 +109,7 @@ class GMAX(OrderingPolicy):
         return st, dyn
 
     def estimate(
-        self,
-        now: float,
-        reqs: Sequence[Request],
-        replicas: Sequence[ReplicaView],
-        expected: bool = False,
+        self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView], expected: bool = False,
         feats: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Return (priority, goodput, t_gen, expired, slack) arrays for `reqs`.

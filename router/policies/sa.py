@@ -44,7 +44,10 @@ class SimulatedAnnealing(OrderingPolicy):
         if len(pool) <= 1:
             return Selection(dispatch=pool[:slots])
         # For latency requests the SLO event is the first token; otherwise the whole answer.
-        cost = [model.prefill_time(r.context_tokens) + model.t_c + (0.0 if r.kind is SLOClass.LATENCY else r.len_mean * v) for r in pool]
+        cost = [
+            model.prefill_time(r.context_tokens) + model.t_c + (0.0 if r.kind is SLOClass.LATENCY else r.len_mean * v)
+            for r in pool
+        ]
         due = [r.ttft_deadline if r.kind is SLOClass.LATENCY else r.deadline_at for r in pool]
         busy = sum(p.inflight for p in live)
         typical = sum(cost) / len(cost)
