@@ -123,8 +123,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     port = free_port()
-    gw = subprocess.Popen(["slogate", "serve", "--port", str(port), "--log-level", "warning"], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, start_new_session=True)
+    log = os.environ.get("BENCH_GATEWAY_LOG")  # e.g. "debug:/tmp/gw.log": the learner's decisions, to a file
+    level, _, path = (log or "warning").partition(":")
+    gw = subprocess.Popen(["slogate", "serve", "--port", str(port), "--log-level", level], stdout=subprocess.DEVNULL,
+                          stderr=open(path, "w") if path else subprocess.PIPE, start_new_session=True)  # noqa: SIM115
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(200):

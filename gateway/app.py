@@ -738,7 +738,9 @@ class Gateway:
                         view.model.observe(gap, view.model.raw_decode_step_time(n, view.decode_kv // n * n))
                         b = self.backends[t.replica]  # type: ignore[index]
                         if b.learner is not None:
-                            b.learner.observe(n + int(b.external + 0.5), gap)
+                            # Everything the engine runs shares the step: streams yet to see a first
+                            # token and non-streamed answers too, not just the decoding streams.
+                            b.learner.observe(view.inflight + int(b.external + 0.5), gap)
                     t.req.last_token_at = now
                     t.req.generated += info.tokens
                     adm.tokens(t, info.tokens)

@@ -96,6 +96,15 @@ class CapacityLearner:
             return None  # no visible cost of batching yet: the data do not locate the knee
         return my - slope * mx, slope
 
+    def _refuted(self, fit: tuple[float, float]) -> bool:
+        """The kept line has lost its evidence: every n with enough data now sits far from it
+        (off by more than ×1.6), or no n has enough data left (nothing streamed for a while:
+        what it was fitted on has faded). Such a line pins the budget where it is, so the n
+        that would refit it are never seen."""
+        a, b = fit
+        ratios = [median(x.gaps) / max(a + b * n, 1e-6) for n, x in self.bins.items() if x.weight >= self.min_weight]
+        return not ratios or max(ratios) < 1 / 1.6 or min(ratios) > 1.6
+
     @staticmethod
     def _ew(old: float | None, new: float, weight: float) -> float:
         return new if old is None else (1 - weight) * old + weight * new
@@ -119,6 +128,8 @@ class CapacityLearner:
         line = self._line()
         if line is not None:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
+        elif self.fit is not None and self._refuted(self.fit):
+            self.fit = None  # e.g. a line fitted in a burst of prefills: back to probing
         if len(recent) >= 10:
             mean = sum(recent) / len(recent)
             self.pace = self._ew(self.pace, mean, self.smooth)
@@ -137,8 +148,13 @@ class CapacityLearner:
             by_fit = int((goal - a) / slope) if goal > a else 1
             seen = max(self.bins, default=1)
             # Trust the line where it has data; beyond it, grow a step at a time (an unseen n is
-            # no evidence against a budget already there, so that one stays).
-            self.budget = max(1, min(by_fit, self.cap, max(self.budget, seen + max(1, seen // 8))))
+            # no evidence against a budget already there, so that one stays). A full replica
+            # may step past its budget too: streams still waiting for their first token hold
+            # slots without decoding, so the decoding n can lag the budget for good.
+            reach = seen + max(1, seen // 8)
+            if inflight >= self.budget:
+                reach = max(reach, self.budget + max(1, self.budget // 8))
+            self.budget = max(1, min(by_fit, self.cap, max(self.budget, reach)))
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
         # plainly wrong, and after a cut judge on fresh evidence only.

@@ -99,3 +99,26 @@ def test_the_pace_streams_can_afford_follows_their_slack() -> None:
     # The tightest streams set it: the 10th percentile over the replica's streams.
     many = [stream(0.0, 100, 100)] * 9 + [stream(0.0, 100, 100, tbt=0.04)]
     assert affordable_pace(6.0, many) == 0.04  # type: ignore[comparison-overlap]
+
+
+def test_a_line_the_replica_no_longer_bears_out_is_dropped_and_the_budget_grows_again() -> None:
+    # A burst of arrivals (every stream prefilling at once) makes the first line steep: ~11
+    # sequences fit a 75 ms target. Then the burst is over and the replica is fast: 10 ms +
+    # 0.2 ms per sequence, so ~270 would fit. Holding 11, it only ever sees n = 11: the old
+    # line cannot be refitted, and must not pin the budget for good.
+    lr = CapacityLearner(cap=64, start=4)
+    drive(lr, lambda n: 0.002 + 0.006 * n, 20, 0.075)
+    stuck = lr.budget
+    assert stuck <= 12, stuck
+    b = drive(lr, lambda n: 0.010 + 0.0002 * n, 40, 0.075)
+    assert b[-1] >= 4 * stuck, b
+    assert b[-1] == 64 or lr.fit is not None  # the knee of the new line, or the cap
+
+
+def test_a_line_whose_evidence_has_faded_stops_pinning_the_budget() -> None:
+    # Fitted on a burst, then the replica runs only non-streamed answers: no gaps to measure.
+    lr = CapacityLearner(cap=64, start=4)
+    drive(lr, lambda n: 0.002 + 0.006 * n, 20, 0.075)
+    stuck = lr.budget
+    b = [lr.update(100.0 + t, 0.075, lr.budget) for t in range(90)]  # full, and silent
+    assert lr.fit is None and b[-1] >= stuck + 20, (stuck, b[-5:])

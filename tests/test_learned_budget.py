@@ -44,13 +44,24 @@ def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> F
                                  f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n')
 
     @app.post("/v1/chat/completions")
-    async def chat(body: dict[str, Any]) -> StreamingResponse:
+    async def chat(body: dict[str, Any]) -> Any:
         so = body.get("stream_options") or {}
+        n_out = body.get("max_tokens", 30)
+        if not body.get("stream"):  # a whole answer: it shares every step all the same
+            state["running"] += 1
+            try:
+                for _ in range(n_out):
+                    await asyncio.sleep(base_s + per_seq_s * state["running"])
+            finally:
+                state["running"] -= 1
+            return {"id": "x", "object": "chat.completion", "created": 0, "model": MODEL,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "t" * n_out}, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": n_out, "total_tokens": n_out + 1}}
 
         async def gen():
             state["running"] += 1
             try:
-                for i in range(1, body.get("max_tokens", 30) + 1):
+                for i in range(1, n_out + 1):
                     await asyncio.sleep(base_s + per_seq_s * state["running"])
                     if silent_every and i % silent_every == 0:
                         continue
@@ -69,8 +80,8 @@ def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> F
     return app
 
 
-async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = None) -> list[float]:
-    """n closed-loop streaming clients; the inter-token gaps they saw in the last third (and, in
+async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = None, non_streamed: int = 0) -> list[float]:
+    """n closed-loop streaming clients (and `non_streamed` ones that ask for whole answers); the inter-token gaps they saw in the last third (and, in
     `lines`, every data line). Their first tokens come well inside a 10 s TTFT: they bank that
     slack, so the replica may run them at up to 1.5 × their TBT (router/capacity.affordable_pace)."""
     gaps: list[tuple[float, float]] = []
@@ -90,19 +101,25 @@ async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = 
                             if last is not None:
                                 gaps.append((now, now - last))
                             last = now
-        await asyncio.gather(*(loop() for _ in range(n)))
+        async def whole() -> None:  # closed loop, non-streamed deadline answers
+            while time.monotonic() < stop:
+                async with s.post(f"{url}/v1/chat/completions", json=whole_body) as r:
+                    await r.read()
+
+        whole_body = {**body, "stream": False, "slo": {"kind": "deadline", "deadline_ms": 30000, "waiting_ms": 30000}}
+        await asyncio.gather(*(loop() for _ in range(n)), *(whole() for _ in range(non_streamed)))
     cut = stop - seconds / 3
     return sorted(g for t, g in gaps if t >= cut)
 
 
-def run(learn: bool, silent_every: int = 0, lines: list[bytes] | None = None) -> tuple[float, float]:
+def run(learn: bool, silent_every: int = 0, lines: list[bytes] | None = None, non_streamed: int = 0) -> tuple[float, float]:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(batching_engine(0.010, 0.005, silent_every)))  # 10 ms + 5 ms per sequence
         cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 32}],
                                             "policies": {"frame_s": 0.05}, "health_interval_s": 0.5, "pacing": False,
                                             "capacity": {"learn": learn}})
         gw = st.enter_context(ServerThread(create_app(cfg)))
-        gaps = asyncio.run(clients(gw.url, 20, 15, lines))
+        gaps = asyncio.run(clients(gw.url, 20 - non_streamed, 15, lines, non_streamed))
         budget = gauge(gw.url, "slogate_replica_budget", backend="e")
     return gaps[int(0.9 * (len(gaps) - 1))], budget or 0
 
@@ -128,6 +145,15 @@ def test_chunks_that_carry_several_tokens_are_counted_per_token() -> None:
     content = [ln for ln in lines if b'"content"' in ln]
     assert content and not any(b"usage" in ln for ln in content), content[:3]
     json.loads(content[0][5:])  # still valid JSON once the usage member is cut out
+
+
+def test_answers_that_are_not_streamed_count_in_the_batch_the_gaps_are_measured_at() -> None:
+    # 14 of the 20 clients want whole answers: no gaps of their own, but they share every step.
+    # The gaps must be charged to all the engine runs (10 + 5n ms, knee 6–10 as above); charged
+    # to the streams alone, each n looks several times as slow and the budget drops to ~3.
+    p90, budget = run(learn=True, non_streamed=14)
+    assert 7 <= budget <= 11, budget
+    assert p90 <= 0.075, p90
 
 
 def test_traffic_that_bypasses_the_gateway_takes_from_the_budget() -> None:
