@@ -149,8 +149,8 @@ class CapacityLearner:
             seen = max(self.bins, default=1)
             # Trust the line where it has data; beyond it, grow a step at a time (an unseen n is
             # no evidence against a budget already there, so that one stays). A full replica
-            # may step past its budget too: streams still waiting for their first token hold
-            # slots without decoding, so the decoding n can lag the budget for good.
+            # may step past its budget too: gaps come from streams only, and where few of the
+            # requests held stream, the largest n measured can lag the budget for good.
             reach = seen + max(1, seen // 8)
             if inflight >= self.budget:
                 reach = max(reach, self.budget + max(1, self.budget // 8))
