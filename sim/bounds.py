@@ -13,31 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from router.latency import LatencyCoeffs
+from router.latency import BatchLatencyModel, LatencyCoeffs
 from router.request import SLOClass
 from sim.workload import Workload
 
 
-def token_times(c: LatencyCoeffs, input_tokens: int, output_tokens: int, chunk: int) -> Iterator[float]:
-    """Delivery time of each output token of a call running alone, from its arrival."""
+def token_times(model: BatchLatencyModel, input_tokens: int, output_tokens: int, chunk: int) -> Iterator[float]:
+    """Delivery time of each output token of a call running alone, from its arrival: the steps
+    `sim.engine.EngineSim` would run for it (prefill chunks, then one decode per token)."""
     t, done = 0.0, 0
     while done < input_tokens:
         n = min(chunk, input_tokens - done)
-        t += c.t_c + c.a_p * n * n + c.b_p * n * done + c.c_p * n
+        t += model.raw_batch_time([(n, done)], [])
         done += n
     yield t
     for i in range(1, output_tokens):
-        t += c.t_c + c.b_d + c.a_d * (input_tokens + i)
+        t += model.raw_batch_time([], [input_tokens + i - 1])  # the KV computed before this token
         yield t
 
 
-def _alone_s(c: LatencyCoeffs, input_tokens: int, output_tokens: int, chunk: int) -> float:
-    return max(token_times(c, input_tokens, output_tokens, chunk))  # times only grow: the last one
+def _alone_s(model: BatchLatencyModel, input_tokens: int, output_tokens: int, chunk: int) -> float:
+    return max(token_times(model, input_tokens, output_tokens, chunk))  # times only grow: the last one
 
 
 def isolation_goodput(wl: Workload, c: LatencyCoeffs, chunk: int = 512) -> dict[str, float]:
     """Token goodput (tokens/s over the workload's span, per class and "all") if every call
     ran alone the moment it arrived."""
+    model = BatchLatencyModel(c)
     out = {k.value: 0.0 for k in SLOClass}
     for job in wl.jobs:
         if job.workflow is not None:
@@ -45,7 +47,7 @@ def isolation_goodput(wl: Workload, c: LatencyCoeffs, chunk: int = 512) -> dict[
             finish: dict[int, float] = {}
             for call in sorted(calls.values(), key=lambda x: (x.stage, x.call_id)):
                 ready = max((finish[p] for p in call.parents if p in finish), default=0.0)
-                finish[call.call_id] = ready + call.gap_s + _alone_s(c, call.input_tokens, call.output_tokens, chunk)
+                finish[call.call_id] = ready + call.gap_s + _alone_s(model, call.input_tokens, call.output_tokens, chunk)
             if max(finish.values(), default=0.0) <= job.wf_deadline_s:
                 out[SLOClass.COMPOUND.value] += sum(x.input_tokens + x.output_tokens for x in calls.values())
             continue
@@ -54,10 +56,10 @@ def isolation_goodput(wl: Workload, c: LatencyCoeffs, chunk: int = 512) -> dict[
         if slo.kind is SLOClass.LATENCY:
             ttft, tbt = slo.ttft_s or 0.0, slo.tbt_s or 0.0
             out[slo.kind.value] += sum(
-                t <= ttft + i * tbt for i, t in enumerate(token_times(c, job.input_tokens, job.output_tokens, chunk))
+                t <= ttft + i * tbt for i, t in enumerate(token_times(model, job.input_tokens, job.output_tokens, chunk))
             )
         else:
-            if _alone_s(c, job.input_tokens, job.output_tokens, chunk) <= (slo.deadline_s or 0.0):
+            if _alone_s(model, job.input_tokens, job.output_tokens, chunk) <= (slo.deadline_s or 0.0):
                 out[slo.kind.value] += job.input_tokens + job.output_tokens
     span = max(wl.span_s, 1e-9)
     per_s = {k: v / span for k, v in out.items() if v}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.latency import LatencyCoeffs
+from router.latency import BatchLatencyModel, LatencyCoeffs
 from router.request import SLO, SLOClass, Tier
 from sim.bounds import isolation_goodput, token_times
 from sim.runner import Experiment, SimConfig
@@ -15,7 +15,7 @@ T = Tier("t", 1.0)
 
 def test_token_times_chunk_the_prefill_then_decode_one_token_per_step():
     # 150 input tokens in chunks of 100: (0.5 + 1.0) + (0.5 + 0.5) = 2.5 s to the first token.
-    assert list(token_times(C, 150, 3, chunk=100)) == pytest.approx([2.5, 3.0, 3.5])
+    assert list(token_times(BatchLatencyModel(C), 150, 3, chunk=100)) == pytest.approx([2.5, 3.0, 3.5])
 
 
 def test_latency_tokens_count_only_when_they_would_be_on_their_timeline_alone():
@@ -53,3 +53,22 @@ def test_no_policy_earns_more_than_the_bound(synthetic_trace):
     light = Experiment(SimConfig(trace=str(synthetic_trace), mix="latency=1,deadline=1", replicas=4, rate_scale=0.2)).run("fcfs+least-load")
     # With no contention every request runs as if alone: the bound is met exactly.
     assert light["token_goodput"] == pytest.approx(light["ideal_token_goodput"], rel=0.02)
+
+
+def test_token_times_are_what_the_engine_model_does_for_one_request_alone():
+    from router.latency import DEFAULT_PROFILE, PROFILES
+    from router.request import Request
+    from sim.engine import EngineSim, Seq
+
+    model = BatchLatencyModel(PROFILES[DEFAULT_PROFILE])
+    eng = EngineSim(0, model, max_batched_tokens=512)
+    req = Request(0, 0.0, 1300, SLO.deadline(20.0))
+    seq = Seq(req, 5)
+    eng.add(seq)
+    t, times = 0.0, []
+    while req.generated < 5:
+        t += eng.start_step(t)  # type: ignore[operator]
+        for s in eng.finish_step():
+            s.req.generated += 1
+            times.append(t)
+    assert times == pytest.approx(list(token_times(model, 1300, 5, chunk=512)), rel=1e-12)
