@@ -125,8 +125,9 @@ def main() -> None:
     port = free_port()
     log = os.environ.get("BENCH_GATEWAY_LOG")  # e.g. "debug:/tmp/gw.log": the learner's decisions, to a file
     level, _, path = (log or "warning").partition(":")
+    err = open(path, "w") if path else None  # noqa: SIM115 (closed once the gateway has exited)
     gw = subprocess.Popen(["slogate", "serve", "--port", str(port), "--log-level", level], stdout=subprocess.DEVNULL,
-                          stderr=open(path, "w") if path else subprocess.PIPE, start_new_session=True)  # noqa: SIM115
+                          stderr=err or subprocess.PIPE, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(200):
@@ -157,6 +158,8 @@ def main() -> None:
     finally:
         os.killpg(gw.pid, signal.SIGTERM)
         gw.wait(timeout=15)
+        if err is not None:
+            err.close()
 
 
 if __name__ == "__main__":
