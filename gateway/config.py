@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.latency import DEFAULT_PROFILE
 
@@ -129,6 +129,22 @@ class AuthConfig(_Strict):
     admin_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key for /admin/*; none: /admin is disabled (403).")
 
 
+class PacingConfig(_Strict):
+    enabled: bool = Field(True, description="Hold a few tokens of latency streams back to hide engine stalls from the client.")
+    ceiling: float = Field(0.8, gt=0, le=1, description="Never hold a token past its TBT timeline at this fraction of the TBT "
+                           "(mean TPOT ≤ max(the engine's, ceiling × TBT)).")
+    reserve_tbts: float = Field(4.0, ge=0, le=100, description="Hold no token longer than this many TBTs (the stall reserve; "
+                                "the answer ends at most this much after the engine's last token).")
+    build: float = Field(0.25, ge=0, le=1, description="While the reserve grows, release at most this much slower than the engine makes tokens.")
+    default_slo: bool = Field(False, description="Pace streams whose TBT is only `slo.default` too (off: a client that sends no SLO "
+                              "gets tokens as fast as the engine makes them).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
+
+
 class GatewayConfig(_Strict):
     backends: list[BackendConfig] = Field(default_factory=list, description="The engine replicas.")
     policies: PolicyConfig = Field(default_factory=PolicyConfig, description="Scheduling policies.")
@@ -145,7 +161,8 @@ class GatewayConfig(_Strict):
     stream_idle_timeout_s: float = Field(60.0, gt=0, description="Streamed requests: longest silence from a replica (headers, then between chunks), s; "
                                          "before the first byte the request is retried elsewhere, after it the stream ends with an error event.")
     keepalive_s: float = Field(5.0, gt=0, description="A stream silent this long gets an SSE comment so proxies keep it open, s.")
-    pacing: bool = Field(True, description="Pace latency-class streams on their TBT timeline (smooths bursts; never delays past the SLO).")
+    pacing: PacingConfig = Field(default_factory=lambda: PacingConfig(),
+                                 description="The smoothing buffer for latency streams (`true` / `false` turn it on / off).")
     health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")
     shutdown_grace_s: float = Field(30.0, gt=0, description="On SIGTERM, requests in flight get this long to finish before they are cut, s.")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Learned per-replica budgets.")

@@ -1,11 +1,31 @@
-"""Pacing buffer for latency-sensitive streams (PROSERVE's smoothing buffer).
+"""Smoothing buffer for latency streams (PROSERVE's): it hides engine stalls, it never slows a
+stream down to its SLO.
 
-Tokens that arrive ahead of the stream's TBT timeline are held and released on it: token i
-no earlier than t_first + i·TBT·pace (the first token goes out at once). The engine may then
-run ahead — a burst after a stall, or a fast replica — without the client seeing jitter, and
-the buffered tokens are slack: `slack(now)` says how long the stream could go without a new
-token and still meet its timeline. Upstream reading continues while tokens are held, so
-arrival times (which feed goodput and the latency model) stay exact.
+A client sees a stall (another request's prefill, later a preemption) as a long gap between
+tokens. To hide one, some tokens must already be held when it starts: the buffer builds that
+reserve by releasing tokens a little slower than the engine makes them, and spends it while the
+engine is silent. Token k (arriving at a_k, first token at t0) is released at
+
+    r_k = max(a_k, min(r_{k-1} + g·(1 + build), a_k + reserve, t0 + k·ceiling·TBT))
+
+- g is the engine's own per-token gap (a moving average that a stall does not inflate), so the
+  client gets tokens at the engine's pace, at most `build` slower while the reserve grows;
+- no token is held longer than `reserve` (a few TBTs): the answer ends at most that much after
+  the engine's last token, and a stall shorter than the reserve held is invisible;
+- no token is held past the timeline `t0 + k·ceiling·TBT` (ceiling < 1): a paced stream's mean
+  TPOT is at most max(the engine's, ceiling·TBT), and token k is never later than the engine
+  made it or than its TBT timeline — so pacing costs no SLO, by either rule, that the unpaced
+  stream would meet;
+- the first token goes out at once.
+
+Only streams with an SLO someone chose (request, key, tier or model) are paced: a stream whose
+TBT is the gateway's built-in default is relayed as fast as the engine makes it.
+
+`slack(now)` is how long the stream could go without a new token from the engine and still
+meet its TBT timeline: what a preemption may take from it. Upstream reading continues while
+tokens are held, so arrival times (goodput, the latency model) stay exact, and `on_end` fires
+when the engine's stream ends — the replica's slot is free then, not when the client has read
+its last held token.
 """
 
 from __future__ import annotations
@@ -22,43 +42,72 @@ T = TypeVar("T")
 
 
 class Pacer:
-    def __init__(self, tbt_s: float, pace: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.step = tbt_s * pace
+    def __init__(self, tbt_s: float, ceiling: float = 0.8, reserve_tbts: float = 4.0, build: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tbt = tbt_s
+        self.step = ceiling * tbt_s  # the slowest release pace, on the stream's own timeline
+        self.reserve = reserve_tbts * tbt_s
+        self.build = build
         self.clock = clock
         self.t0: float | None = None
-        self.i = 0  # index of the next token to release
-        self.arrived = 0
+        self.arrived = 0  # tokens arrived from the engine
+        self.last_due = 0.0  # release time of the latest event (events keep their order)
+        self.last_at: float | None = None  # arrival of the latest token event
+        self.gap: float | None = None  # the engine's per-token gap, a moving average
 
     def due(self, now: float, tokens: int) -> float:
         """When an event carrying `tokens` tokens that arrived at `now` may be released."""
-        self.arrived += tokens
-        if tokens <= 0:
-            return now if self.t0 is None else max(now, self.t0 + self.i * self.step)
+        if tokens <= 0:  # role, finish, usage, [DONE]: after whatever came before, never held for itself
+            at = now if self.t0 is None else max(now, self.last_due)
+            self.last_due = at
+            return at
         if self.t0 is None:
-            self.t0 = now
-        at = max(now, self.t0 + self.i * self.step)
-        self.i += tokens
+            self.t0 = self.last_due = self.last_at = now
+            self.arrived = tokens
+            return now
+        assert self.last_at is not None
+        g = (now - self.last_at) / tokens
+        # Neither a stall nor the burst after it is the engine's pace: a gap counts at most twice,
+        # at least half the average.
+        self.gap = g if self.gap is None else 0.8 * self.gap + 0.2 * min(max(g, 0.5 * self.gap), 2.0 * self.gap)
+        self.last_at = now
+        self.arrived += tokens
+        k = self.arrived - 1  # index of this event's last token
+        at = min(self.last_due + tokens * self.gap * (1.0 + self.build), now + self.reserve, self.t0 + k * self.step)
+        at = max(now, at, self.last_due)
+        self.last_due = at
         return at
 
     def slack(self, now: float) -> float:
-        """Seconds of buffered tokens ahead of the timeline."""
+        """Seconds the stream can go without a new token and still meet its TBT timeline."""
         if self.t0 is None:
             return 0.0
-        return max(0.0, self.t0 + self.arrived * self.step - now)
+        return max(0.0, self.t0 + self.arrived * self.tbt - now)
 
 
-async def paced(events: AsyncIterator[tuple[T, int, float]], pacer: Pacer, max_buffered: int = 4096) -> AsyncIterator[T]:
-    """Re-time (item, tokens, arrival) triples on the pacer's timeline; reading goes on in a
-    task so held tokens never slow the upstream read."""
+async def paced(events: AsyncIterator[tuple[T, int, float]], pacer: Pacer, max_buffered: int = 4096,
+                on_end: Callable[[bool], None] | None = None) -> AsyncIterator[T]:
+    """Re-time (item, tokens, arrival) triples on the pacer's schedule; reading goes on in a
+    task so held tokens never slow the upstream read. `on_end(ok)` runs when the upstream ends
+    (ok: normally), before the held tokens have all gone out; not when the consumer is cancelled."""
     q: asyncio.Queue[tuple[T, float] | BaseException | None] = asyncio.Queue(max_buffered)
 
     async def reader() -> None:
         try:
             async for ev, n, at in events:
                 await q.put((ev, pacer.due(at, n)))
-            await q.put(None)
+        except asyncio.CancelledError:
+            raise  # the client left: the relay's cleanup frees the slot
         except BaseException as e:
+            _end(False)
             await q.put(e)
+            return
+        _end(True)
+        await q.put(None)
+
+    def _end(ok: bool) -> None:
+        if on_end is not None:
+            on_end(ok)
 
     task = asyncio.get_running_loop().create_task(reader())
     try:

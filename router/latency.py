@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
+from statistics import median_high
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +49,25 @@ DEFAULT_PROFILE = "llama3.1-8b@a100-80g"
 class BatchLatencyModel:
     """Per-replica latency estimator; pure, so both drivers can feed it observations."""
 
-    __slots__ = ("_since_update", "_window", "beta", "coeffs", "theta", "update_every")
+    __slots__ = ("_p_window", "_since_update", "_window", "beta", "beta_p_learned", "coeffs", "theta", "update_every")
 
     def __init__(self, coeffs: LatencyCoeffs, theta: float = 0.8, window: int = 32, update_every: int = 8) -> None:
         self.coeffs = coeffs
         self.beta = 1.0
+        # Prefill has its own correction: a profile's prefill/decode ratio need not hold on the
+        # engine at hand (a CPU engine prefills ~4× slower, relative to its decode, than an A100).
+        # None until a first token has been timed: prefills follow β until then.
+        self.beta_p_learned: float | None = None
         self.theta = theta
         self._window: deque[float] = deque(maxlen=window)
+        self._p_window: deque[float] = deque(maxlen=window)
         self._since_update = 0
         self.update_every = update_every
+
+    @property
+    def beta_p(self) -> float:
+        """The correction prefill estimates use."""
+        return self.beta if self.beta_p_learned is None else self.beta_p_learned
 
     @classmethod
     def named(cls, profile: str = DEFAULT_PROFILE) -> BatchLatencyModel:
@@ -89,7 +100,7 @@ class BatchLatencyModel:
 
     def prefill_time(self, tokens: float, cached: float = 0.0) -> float:
         """Core compute time to prefill `tokens` new tokens over `cached` ones (no t_c)."""
-        return self.beta * self._prefill(tokens, cached)
+        return self.beta_p * self._prefill(tokens, cached)
 
     def raw_decode_step_time(self, n_seqs: int, kv_tokens: float) -> float:
         """Uncorrected time of one decode-only step of `n_seqs` sequences, `kv_tokens` KV in all."""
@@ -110,6 +121,16 @@ class BatchLatencyModel:
         return self.beta * self._decode(1024)
 
     # -- online correction ----------------------------------------------------------------
+    def observe_prefill(self, real_s: float, tokens: float) -> None:
+        """A request dispatched to an otherwise prefill-free replica had its first token after
+        `real_s`: its prefill (and the step it shared) against the profile's estimate. A
+        median over the window: one first token held up by the client or the network is noise."""
+        est = self._prefill(tokens, 0.0) + self.coeffs.t_c
+        if est <= 0 or real_s <= 0:
+            return
+        self._p_window.append(real_s / est)
+        self.beta_p_learned = median_high(self._p_window)
+
     def observe(self, real_s: float, estimated_raw_s: float) -> None:
         """Feed one measured batch (or token interval) against its uncorrected estimate."""
         if estimated_raw_s <= 0 or real_s <= 0:

@@ -33,6 +33,7 @@ class ReplicaView:
     remote_decode: int = 0
     remote_kv: int = 0
     remote_prefill_raw: float = 0.0
+    solo: set[int] = field(default_factory=set)  # dispatched to an empty prefill queue: their TTFT times a prefill
 
     @property
     def inflight(self) -> int:
@@ -79,10 +80,17 @@ class ReplicaView:
     def claim(self, req: Request, now: float) -> None:
         req.replica = self.rid
         req.dispatched_at = now
+        if not self.prefill_queue and not self.remote_prefill:
+            self.solo.add(req.rid)
         self._enqueue(req)
         self.ts_prefill = now
 
     def first_token(self, req: Request, now: float) -> None:
+        if req.rid in self.solo and req.dispatched_at is not None:
+            # Dispatched to an empty prefill queue: nothing ahead of it, so its first token
+            # times the replica's prefill (what arrived later queued behind it).
+            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens)
+        self.solo.discard(req.rid)
         self._dequeue(req, now)
         self.decoding[req.rid] = req
         self.decode_kv += req.context_tokens
@@ -91,6 +99,7 @@ class ReplicaView:
         self.decode_kv += n
 
     def release(self, req: Request, now: float) -> None:
+        self.solo.discard(req.rid)
         self._dequeue(req, now)
         if self.decoding.pop(req.rid, None) is not None:
             self.decode_kv = max(self.decode_kv - req.context_tokens, 0)
@@ -103,7 +112,7 @@ class ReplicaView:
 
     def prefill_backlog(self, now: float) -> float:
         """Seconds of prefill work queued here, lag-compensated (PROSERVE §4.3)."""
-        work = self.model.beta * self.prefill_raw
+        work = self.model.beta_p * self.prefill_raw
         return max(work - (now - self.ts_prefill), 0.0) if work else 0.0
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from predictors.length import LengthEstimator
 from predictors.pattern_graph import PatternStore, StageNode
+from router.capacity import CapacityLearner, affordable_pace
 from router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from router.latency import BatchLatencyModel, LatencyCoeffs
 from router.request import SLO, Request, Tier, Workflow
@@ -35,6 +36,8 @@ class EngineConfig:
     kv_capacity_tokens: int = 400_000
     budget: int = 48  # gateway's per-replica concurrency budget
     speed_factors: list[float] | None = None  # per-replica slowdown (heterogeneous fleet)
+    learn_budget: bool = False  # the live gateway's learned budgets (router/capacity.py), `budget` the cap
+    capacity_margin: float = 0.85
 
 
 @dataclass
@@ -64,6 +67,7 @@ class SimResult:
     engine_preemptions: int
     decisions: int
     horizon_hit: bool
+    budget_samples: list[int] = field(default_factory=list)  # the fleet's learned budget, once per update
 
 
 class ClusterSim:
@@ -95,6 +99,11 @@ class ClusterSim:
         ]
         # The gateway's estimator starts from the nominal profile and learns β online.
         self.views = [ReplicaView(i, BatchLatencyModel(engine.coeffs), budget=engine.budget) for i in range(n_replicas)]
+        # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
+        # replica holds, re-decided once a second against the streams' affordable pace.
+        self.learners = ([CapacityLearner(engine.budget, margin=engine.capacity_margin) for _ in range(n_replicas)]
+                         if engine.learn_budget else None)
+        self.budget_samples: list[int] = []
         self.account = GoodputAccount()
         self.waiting: dict[int, Request] = {}
         self.seqs: dict[int, Seq] = {}
@@ -132,6 +141,8 @@ class ClusterSim:
             elif kind == ARRIVE:
                 self._on_arrival(payload)  # type: ignore[arg-type]
             else:
+                if self.learners is not None:
+                    self._update_budgets()
                 self._schedule()
                 if self.waiting or any(e.busy for e in self.engines) or self.events:
                     self._push(t + self.frame_s, TICK, None)
@@ -149,6 +160,7 @@ class ClusterSim:
             engine_preemptions=sum(e.preemptions for e in self.engines),
             decisions=self.decisions,
             horizon_hit=horizon_hit,
+            budget_samples=self.budget_samples,
         )
 
     # -- arrivals --------------------------------------------------------------------------------
@@ -243,6 +255,16 @@ class ClusterSim:
             if not eng.busy:
                 self._start(eng)
 
+    def _update_budgets(self) -> None:
+        assert self.learners is not None
+        now = self.now
+        total = 0
+        for v, lr in zip(self.views, self.learners, strict=True):
+            target = affordable_pace(now, (*v.decoding.values(), *v.prefill_queue.values()))
+            v.budget = max(1, lr.update(now, target, v.inflight))
+            total += v.budget
+        self.budget_samples.append(total)
+
     def _start(self, eng: EngineSim) -> None:
         dt = eng.start_step(self.now)
         if dt is not None:
@@ -279,6 +301,7 @@ class ClusterSim:
         now = self.now
         freed = False
         on_service = self.sched.ordering.on_service
+        learner = self.learners[eng.rid] if self.learners is not None else None
         for s in emitted:
             req = s.req
             led = self.ledgers[req.rid]
@@ -287,8 +310,11 @@ class ClusterSim:
                 self.ttft.append(now - req.arrival)
                 view.first_token(req, now)
             else:
-                self.tbt.append(now - req.last_token_at)  # type: ignore[operator]
+                gap = now - req.last_token_at  # type: ignore[operator]
+                self.tbt.append(gap)
                 view.token(1)
+                if learner is not None:
+                    learner.observe(view.inflight, gap)
             req.generated += 1
             req.last_token_at = now
             if req.first_token_at is None:

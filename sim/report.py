@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import numpy as np
@@ -37,4 +38,5 @@ def result_row(res: SimResult) -> dict[str, Any]:
         "engine_preemptions": res.engine_preemptions,
         "by_tier": {k: {"attained": b.attained / b.units if b.units else None, "token_goodput": b.token_goodput / res.span_s} for k, b in sorted(acc.by_tier.items())},
         "horizon_hit": res.horizon_hit,
+        "budget_p50": _pct(array("d", res.budget_samples), 50) if res.budget_samples else None,  # learned budgets only
     }

@@ -32,6 +32,7 @@ class SimConfig:
     seed: int = 0
     profile: str = DEFAULT_PROFILE
     budget: int = 48
+    learn_budget: bool = False  # learned per-replica budgets, as `slogate serve` runs them (budget: the cap)
     max_batched_tokens: int = 512
     frame_s: float = 0.3
     predictor_model: str | None = None  # for predictor "qrf": a `slogate train-predictor` file
@@ -86,7 +87,7 @@ class Experiment:
         c = self.cfg
         wl = self.workload()
         est = self._qrf(c.seed) if self._qrf else make_estimator(c.predictor, wl.output_lengths, c.seed)
-        engine = EngineConfig(PROFILES[c.profile], budget=c.budget, max_batched_tokens=c.max_batched_tokens)
+        engine = EngineConfig(PROFILES[c.profile], budget=c.budget, max_batched_tokens=c.max_batched_tokens, learn_budget=c.learn_budget)
         sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=c.seed), est, engine, n_replicas=c.replicas, frame_s=c.frame_s,
                          stage_estimate=c.stage_estimate or ("oracle" if c.predictor == "oracle" else "pattern"))
         row = result_row(sim.run())

@@ -129,8 +129,13 @@ class FixedLatencyEngine:
     whatever the load — the yardstick for measuring what a proxy adds (like guidellm's mock
     server). Same interface as RealtimeEngine."""
 
-    def __init__(self, ttft_s: float, itl_s: float, priority_scheduling: bool = False) -> None:
+    def __init__(self, ttft_s: float, itl_s: float, priority_scheduling: bool = False, jitter: float = 0.0,
+                 stall_p: float = 0.0, stall_s: float = 0.0, seed: int = 0) -> None:
+        """`jitter`: each gap is itl·(1 ± jitter), uniform; `stall_p`: the chance that a gap
+        is a stall of `stall_s` instead (another request's prefill, a preemption)."""
         self.ttft_s, self.itl_s = ttft_s, itl_s
+        self.jitter, self.stall_p, self.stall_s = jitter, stall_p, stall_s
+        self.rng = random.Random(seed)
         self.priority_scheduling = priority_scheduling
         self._ids = itertools.count()
         self._tasks: dict[int, asyncio.Task[None]] = {}
@@ -165,7 +170,7 @@ class FixedLatencyEngine:
             for i in range(1, max(out_tokens, 1) + 1):
                 await asyncio.sleep(max(t - loop.time(), 0))
                 q.put_nowait(i)
-                t += self.itl_s
+                t += self.stall_s if self.rng.random() < self.stall_p else self.itl_s * (1 + self.jitter * (2 * self.rng.random() - 1))
             q.put_nowait(None)
             self._tasks.pop(rid, None)
             self.finished += 1
@@ -213,14 +218,17 @@ def _err(status: int, message: str, type_: str = "invalid_request_error", param:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}, "object": "error"}, status_code=status)
 
 
-def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0, **engine_kw: Any) -> FastAPI:
-    """`fixed_ttft_ms` set: a fixed-latency engine (FixedLatencyEngine) instead of the batch model."""
+def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0,
+                      fixed_kw: dict[str, Any] | None = None, **engine_kw: Any) -> FastAPI:
+    """`fixed_ttft_ms` set: a fixed-latency engine (FixedLatencyEngine, `fixed_kw`: its jitter
+    and stalls) instead of the batch model."""
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if fixed_ttft_ms is not None:
-            state["engine"] = FixedLatencyEngine(fixed_ttft_ms / 1000, fixed_itl_ms / 1000, engine_kw.get("priority_scheduling", False))
+            state["engine"] = FixedLatencyEngine(fixed_ttft_ms / 1000, fixed_itl_ms / 1000, engine_kw.get("priority_scheduling", False),
+                                                 **(fixed_kw or {}))
         else:
             state["engine"] = RealtimeEngine(**engine_kw)
         state["engine"].start()

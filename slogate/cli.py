@@ -44,6 +44,7 @@ def simulate(
     prompts: Annotated[str | None, typer.Option(help="for qrf: prompts_*.jsonl to pair requests with (default: those beside the trace)")] = None,
     stage_estimate: Annotated[str | None, typer.Option(help="workflow sub-deadlines: uniform | pattern | oracle (default: pattern; oracle with --predictor oracle)")] = None,
     budget: Annotated[int, typer.Option(min=1, help="gateway's per-replica concurrency budget")] = 48,
+    learn_budget: Annotated[bool, typer.Option(help="learn each replica's budget online as `slogate serve` does (--budget: the cap)")] = False,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="write results JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG of token goodput vs load")] = None,
@@ -60,7 +61,7 @@ def simulate(
         raise typer.BadParameter(str(e), param_hint="--policies") from e
     scales = _floats(rate_scale)
     cfg = SimConfig(str(trace), str(workflows) if workflows else None, mix, tiers, slo_scale, replicas, scales[0], duration_s, max_requests, predictor, seed, budget=budget,
-                    predictor_model=str(predictor_model) if predictor_model else None, prompts=prompts,
+                    learn_budget=learn_budget, predictor_model=str(predictor_model) if predictor_model else None, prompts=prompts,
                     stage_estimate=stage_estimate)
     try:
         exp = Experiment(cfg)

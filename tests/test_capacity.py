@@ -89,13 +89,15 @@ def test_the_pace_streams_can_afford_follows_their_slack() -> None:
     assert affordable_pace(10.0, [Request(0, 0.0, 10, SLO.deadline(5.0))]) is None  # no TBT target in flight
     # On schedule: 100 tokens in 1 + 100 × 50 ms = 6 s, 100 left → exactly 50 ms per token.
     assert abs(affordable_pace(6.0, [stream(0.0, 100, 100)]) - 0.05) < 1e-9  # type: ignore[operator]
-    # Far ahead (100 tokens after 3 s): 4 s of slack over 100 tokens → 90 ms, capped at 1.5 × 50 ms.
-    assert abs(affordable_pace(3.0, [stream(0.0, 100, 100)]) - 0.075) < 1e-9  # type: ignore[operator]
+    # Far ahead (100 tokens after 3 s): 4 s of slack over 100 tokens → 90 ms, but by default never
+    # above the TBT (a mean TPOT above it fails guidellm's rule); with headroom 1.5, 75 ms.
+    assert abs(affordable_pace(3.0, [stream(0.0, 100, 100)]) - 0.05) < 1e-9  # type: ignore[operator]
+    assert abs(affordable_pace(3.0, [stream(0.0, 100, 100)], headroom=1.5) - 0.075) < 1e-9  # type: ignore[operator]
     # A little ahead: 0.5 s of slack over 100 tokens → 55 ms.
-    assert abs(affordable_pace(5.5, [stream(0.0, 100, 100)]) - 0.055) < 1e-9  # type: ignore[operator]
+    assert abs(affordable_pace(5.5, [stream(0.0, 100, 100)], headroom=1.5) - 0.055) < 1e-9  # type: ignore[operator]
     # Behind schedule never asks for more than the TBT; a lost stream does not drag the rest.
     assert affordable_pace(9.0, [stream(0.0, 100, 100)]) == 0.05
-    assert abs(affordable_pace(5.5, [stream(0.0, 100, 100), stream(-100.0, 10, 100)]) - 0.055) < 1e-9  # type: ignore[operator]
+    assert abs(affordable_pace(5.5, [stream(0.0, 100, 100), stream(-100.0, 10, 100)], headroom=1.5) - 0.055) < 1e-9  # type: ignore[operator]
     # The tightest streams set it: the 10th percentile over the replica's streams.
     many = [stream(0.0, 100, 100)] * 9 + [stream(0.0, 100, 100, tbt=0.04)]
     assert affordable_pace(6.0, many) == 0.04  # type: ignore[comparison-overlap]
@@ -122,3 +124,15 @@ def test_a_line_whose_evidence_has_faded_stops_pinning_the_budget() -> None:
     stuck = lr.budget
     b = [lr.update(100.0 + t, 0.075, lr.budget) for t in range(90)]  # full, and silent
     assert lr.fit is None and b[-1] >= stuck + 20, (stuck, b[-5:])
+
+
+def test_a_line_through_a_negative_intercept_is_not_trusted() -> None:
+    """Gaps at n = 1..4 clean (20 ms), at n = 6..8 inflated by a burst of prefills: a straight
+    line through them has a negative intercept and a steep slope, which would set the budget
+    to 1. It is not a model of the engine: no line, and the budget stays where the replica is."""
+    lr = CapacityLearner(48, start=8)
+    for n, gap in ((1, 0.005), (2, 0.006), (6, 0.06), (7, 0.075), (8, 0.09)):
+        for _ in range(20):
+            lr.observe(n, gap)
+    assert lr._line() is None
+    assert lr.update(10.0, 0.05, 8) >= 6

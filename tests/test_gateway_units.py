@@ -84,27 +84,64 @@ def test_sse_inspection() -> None:
     assert inspect(b'data: {"error":{"message":"x"}}\n\n').error
 
 
-def test_pacer_holds_early_tokens_on_the_tbt_timeline() -> None:
-    p = Pacer(0.1)
+def test_pacer_releases_at_the_engine_pace_and_builds_a_bounded_reserve() -> None:
+    p = Pacer(0.1, ceiling=0.8, reserve_tbts=4, build=0.25)
     assert p.due(10.0, 1) == 10.0  # first token at once
-    assert p.due(10.01, 1) == pytest.approx(10.1)  # early: held
-    assert p.due(10.02, 1) == pytest.approx(10.2)
-    assert p.slack(10.02) == pytest.approx(0.28)
-    assert p.due(11.0, 1) == 11.0  # late: straight through
+    # The engine makes a token every 10 ms: released 25% slower while the reserve builds.
+    at = [p.due(10.0 + 0.01 * k, 1) for k in range(1, 200)]
+    lag = [a - (10.0 + 0.01 * k) for k, a in enumerate(at, 1)]
+    assert lag[0] == pytest.approx(0.0025)
+    assert all(x >= 0 for x in lag) and max(lag) <= 0.4 + 1e-9  # never more than 4 TBTs behind the engine
+    assert lag[-1] == pytest.approx(0.4)  # ...and the full reserve is built
+    # A 300 ms stall: the held tokens keep going out, so the client sees no gap near 300 ms.
+    nxt = p.due(10.0 + 0.01 * 199 + 0.3, 1)
+    assert nxt - at[-1] < 0.05
+    assert p.slack(10.0 + 0.01 * 199) == pytest.approx(201 * 0.1 - 1.99)  # 201 tokens in on a 100 ms timeline
 
 
-def test_paced_stream_releases_on_time() -> None:
-    async def main() -> list[float]:
+def test_pacer_never_holds_past_the_ceiling_timeline() -> None:
+    """An engine far faster than the TBT with a large reserve: tokens are held, but token k
+    never later than t0 + k·0.8·TBT, so the mean TPOT stays under the SLO with a margin."""
+    p = Pacer(0.05, ceiling=0.8, reserve_tbts=100, build=1.0)
+    p.due(0.0, 1)
+    at = [p.due(0.001 * k, 1) for k in range(1, 101)]
+    assert all(a <= k * 0.04 + 1e-9 for k, a in enumerate(at, 1))
+    assert at[-1] / 100 <= 0.04
+
+
+def test_pacer_never_delays_a_slow_engine() -> None:
+    """An engine slower than the ceiling pace: every token goes out the moment it arrives."""
+    p = Pacer(0.05)
+    for k in range(50):
+        t = k * 0.06 + (0.2 if k >= 25 else 0.0)  # a 200 ms stall at token 25
+        assert p.due(t, 1) == t
+
+
+def test_paced_stream_spreads_a_burst_and_ends_upstream_before_the_client_is_done() -> None:
+    """Ten tokens 20 ms apart, a 150 ms stall, then ten at once: the burst goes out spread at
+    about the engine's pace, and the upstream's end is signalled before the held tokens are out."""
+    async def main() -> tuple[list[float], float, float]:
+        loop = asyncio.get_running_loop()
+        ended: list[float] = []
+        last_arrival = 0.0
+
         async def src():
-            loop = asyncio.get_running_loop()
-            for i in range(5):
+            nonlocal last_arrival
+            for i in range(10):
+                await asyncio.sleep(0.02)
                 yield i, 1, loop.time()
-        p = Pacer(0.02, clock=asyncio.get_running_loop().time)
+            await asyncio.sleep(0.15)
+            for i in range(10):
+                last_arrival = loop.time()
+                yield 10 + i, 1, last_arrival
+        p = Pacer(0.05, clock=loop.time)
         out = []
-        async for _ in paced(src(), p):
-            out.append(asyncio.get_running_loop().time())
-        return out
+        async for _ in paced(src(), p, on_end=lambda ok: ended.append(loop.time())):
+            out.append(loop.time())
+        return out, ended[0], last_arrival
 
-    t = asyncio.run(main())
-    gaps = [b - a for a, b in itertools.pairwise(t)]
-    assert all(g >= 0.015 for g in gaps)
+    t, ended, last_arrival = asyncio.run(main())
+    burst = [b - a for a, b in itertools.pairwise(t[10:])]
+    assert min(burst) >= 0.005  # spread, not dumped
+    assert ended <= t[-1] - 0.05  # the slot is free well before the client has its last token
+    assert t[-1] - last_arrival <= 4 * 0.05 + 0.02  # held at most the reserve

@@ -1,6 +1,6 @@
 import pytest
 
-from router.latency import PROFILES, BatchLatencyModel, LatencyCoeffs
+from router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel, LatencyCoeffs
 
 
 def test_batch_time_is_eq7_sum_of_prefill_and_decode_terms():
@@ -33,3 +33,30 @@ def test_beta_ignores_garbage_observations():
     m.observe(0.0, 1.0)
     m.observe(1.0, 0.0)
     assert m.beta == 1.0
+
+
+def test_prefill_has_its_own_correction_learned_from_first_tokens() -> None:
+    """A CPU engine prefills ~4× slower (relative to its decode) than the profile: first tokens
+    of requests dispatched to an empty prefill queue teach the prefill estimate that, without
+    touching the decode correction; a request that queued behind another teaches nothing."""
+    from router.request import SLO, Request
+    from router.view import ReplicaView
+
+    m = BatchLatencyModel(PROFILES[DEFAULT_PROFILE])
+    v = ReplicaView(0, m, budget=8)
+    raw = m.raw_prefill(1000) + m.coeffs.t_c
+    assert m.prefill_time(1000) == pytest.approx(m.raw_prefill(1000))  # β_p follows β until observed
+    t = 0.0
+    for i in range(5):
+        r = Request(i, t, 1000, SLO.latency(1.0, 0.05))
+        v.claim(r, t)
+        if i == 4:  # one more arrives while it prefills: it queues behind
+            behind = Request(99, t, 1000, SLO.latency(1.0, 0.05))
+            v.claim(behind, t)
+        v.first_token(r, t + 4 * raw)
+        t += 10.0
+    assert m.beta_p == pytest.approx(4.0)
+    assert m.prefill_time(1000) == pytest.approx(4.0 * m.raw_prefill(1000))
+    assert m.beta == 1.0
+    v.first_token(behind, t + 40 * raw)  # it waited behind another prefill: not a clean sample
+    assert m.beta_p == pytest.approx(4.0)

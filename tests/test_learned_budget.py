@@ -83,7 +83,8 @@ def batching_engine(base_s: float, per_seq_s: float, silent_every: int = 0) -> F
 async def clients(url: str, n: int, seconds: float, lines: list[bytes] | None = None, non_streamed: int = 0) -> list[float]:
     """n closed-loop streaming clients (and `non_streamed` ones that ask for whole answers); the inter-token gaps they saw in the last third (and, in
     `lines`, every data line). Their first tokens come well inside a 10 s TTFT: they bank that
-    slack, so the replica may run them at up to 1.5 × their TBT (router/capacity.affordable_pace)."""
+    slack, but the replica runs them at their TBT at most: a mean TPOT above it fails the rule
+    users' tools judge by (router/capacity.affordable_pace)."""
     gaps: list[tuple[float, float]] = []
     stop = time.monotonic() + seconds
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "stream": True,
@@ -127,21 +128,21 @@ def run(learn: bool, silent_every: int = 0, lines: list[bytes] | None = None, no
 def test_a_learned_budget_keeps_streams_within_their_tbt_where_a_fixed_one_does_not() -> None:
     p90_learned, budget = run(learn=True)
     p90_fixed, cap = run(learn=False)
-    # Knee: 10 + 5n ms ≤ 0.85 × the affordable pace, 50 ms (no slack) to 75 ms (1.5 × TBT, the
-    # streams' TTFT slack) → n between 6 and 10. A fixed budget of 32 runs all 20 clients: 110 ms.
-    assert 5 <= budget <= 11, budget
+    # Knee: 10 + 5n ms ≤ 0.85 × the 50 ms TBT → n = 6 (5 when a busy machine adds a few ms of
+    # timer slop to each step). A fixed budget of 32 runs all 20 clients: 110 ms.
+    assert 4 <= budget <= 8, budget  # 4: a loaded CI box adds a few ms of timer slop per step
     assert cap == 32
     assert p90_learned <= 0.075 < 0.1 < p90_fixed, (p90_learned, p90_fixed)
 
 
 def test_chunks_that_carry_several_tokens_are_counted_per_token() -> None:
     # Every other token sends no chunk: counting one token per chunk would double each measured
-    # gap and halve the budget (2 × (10 + 5n) ms ≤ 0.85 × 75 ms → n ≤ 4, against 10). The gateway
+    # gap and cut the budget (2 × (10 + 5n) ms ≤ 0.85 × 50 ms → n ≤ 2, against 6). The gateway
     # asks for the running usage count in every chunk and measures per token; clients that did
     # not ask for it never see it.
     lines: list[bytes] = []
     _, budget = run(learn=True, silent_every=2, lines=lines)
-    assert 7 <= budget <= 11, budget
+    assert 4 <= budget <= 8, budget
     content = [ln for ln in lines if b'"content"' in ln]
     assert content and not any(b"usage" in ln for ln in content), content[:3]
     json.loads(content[0][5:])  # still valid JSON once the usage member is cut out
@@ -149,10 +150,10 @@ def test_chunks_that_carry_several_tokens_are_counted_per_token() -> None:
 
 def test_answers_that_are_not_streamed_count_in_the_batch_the_gaps_are_measured_at() -> None:
     # 14 of the 20 clients want whole answers: no gaps of their own, but they share every step.
-    # The gaps must be charged to all the engine runs (10 + 5n ms, knee 6–10 as above); charged
-    # to the streams alone, each n looks several times as slow and the budget drops to ~3.
+    # The gaps must be charged to all the engine runs (10 + 5n ms, knee 6 as above); charged
+    # to the streams alone, each n looks several times as slow and the budget drops to 1–2.
     p90, budget = run(learn=True, non_streamed=14)
-    assert 7 <= budget <= 11, budget
+    assert 4 <= budget <= 8, budget
     assert p90 <= 0.075, p90
 
 

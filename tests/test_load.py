@@ -12,7 +12,8 @@ from sim.loadgen import closed_loop
 
 def test_a_thousand_concurrent_streams_through_one_gateway_all_complete() -> None:
     clients, tokens = 1000, 20
-    procs, gw, url, _ = start_fleet(4, clients // 4 + 10, 100, 500, {"pacing": True, "capacity": {"learn": False}})
+    # Engines at one token a second: each client holds one 20 s stream for the whole window.
+    procs, gw, url, _ = start_fleet(4, clients // 4 + 10, 100, 1000, {"pacing": True, "capacity": {"learn": False}})
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "load"}], "max_tokens": tokens, "stream": True,
                 "ignore_eos": True, "slo": {"kind": "latency", "ttft_ms": 5000, "tbt_ms": 1000, "waiting_ms": 30000}}

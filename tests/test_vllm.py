@@ -93,6 +93,11 @@ def test_gateway_in_front_of_real_vllm(vllm: str) -> None:
             lines = resp.iter_lines()
             for _ in range(4):
                 next(lines)
+            # vLLM's gauge is refreshed by its stats logger, not per request: wait for it to show
+            # the stream (a CI run read it a moment too early), reading on so nothing stalls.
+            t0 = time.monotonic()
+            while running(vllm) != 1 and time.monotonic() - t0 < 3:
+                next(lines)
             assert running(vllm) == 1
         t0 = time.monotonic()
         while running(vllm) > 0 and time.monotonic() - t0 < 2:

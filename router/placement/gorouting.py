@@ -63,7 +63,7 @@ class GoRouting(PlacementPolicy):
         queue = list(p.prefill_queue.values())
         budgets = [first_token_budget(r, now, v) for r in queue]
         values = [self._value(r) for r in queue]
-        work = p.model.beta * p.prefill_raw
+        work = p.model.beta_p * p.prefill_raw
         pre = self._fitting_value(now, p, work, budgets, values)
         post_work = work + p.model.prefill_time(req.context_tokens)
         post = self._fitting_value(now, p, post_work, [*budgets, first_token_budget(req, now, v)], [*values, self._value(req)])

@@ -129,7 +129,7 @@ class GMAX(OrderingPolicy):
         L = np.minimum(np.maximum(bound, 1.0), np.maximum(cap - gen, 0.0))
         wf_tokens = np.fromiter((r.workflow.tokens_done if r.workflow is not None else 0 for r in reqs), dtype=np.float64, count=n)
         c = model.coeffs
-        pf = model.beta * (c.a_p * ctx * ctx + c.c_p * ctx) + model.t_c
+        pf = model.beta_p * (c.a_p * ctx * ctx + c.c_p * ctx) + model.t_c
         t_gen = pf + L * v
         is_lat = kind == LATENCY_CODE
         # Latency: tokens i ≥ i0 can still meet arrival + TTFT + i·TBT when decoding at v.

