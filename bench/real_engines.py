@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -253,22 +254,43 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(sorted(xs)[int(q * (len(xs) - 1))], 4) if xs else None
 
 
-def run_one(system: str, urls: list[str], rate: float, duration: float, seed: int, tmp: Path) -> dict:
+class Routed:
+    """A router under test: its URL, and its CPU use per wall second from start to `done()`."""
+
+    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+        self.proc, self.url = proc, url
+        self._cpu0, self._t0 = cpu_s(proc.pid), time.monotonic()
+        self.wall_s = self.cpu_share = 0.0
+
+    def done(self) -> None:
+        self.wall_s = time.monotonic() - self._t0
+        self.cpu_share = (cpu_s(self.proc.pid) - self._cpu0) / max(self.wall_s, 1e-9)
+
+
+@contextlib.contextmanager
+def routed(system: str, urls: list[str], tmp: Path) -> Iterator[Routed]:
+    """`system` started in front of `urls` on cold prefix caches, stopped on the way out."""
     reset_caches(urls)
-    reqs = arrivals(rate, duration, seed)
     proc, url = start_router(system, urls, tmp)
     try:
-        cpu0, t0 = cpu_s(proc.pid), time.monotonic()
-        budgets: list[float] | None = [] if system.startswith("slogate") else None
-        res = asyncio.run(replay(url, reqs, budgets))
-        wall = time.monotonic() - t0
-        cpu = cpu_s(proc.pid) - cpu0
-        shed: dict[str, float] = {}
-        if not system.startswith("vllm-router"):  # why slogate refused what it refused
-            for labels, v in samples(httpx.get(f"{url}/metrics", timeout=5).text, "slogate_shed_total"):
-                shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
+        r = Routed(proc, url)
+        yield r
+        if not r.wall_s:
+            r.done()
     finally:
         stop([proc])
+
+
+def run_one(system: str, urls: list[str], rate: float, duration: float, seed: int, tmp: Path) -> dict:
+    reqs = arrivals(rate, duration, seed)
+    with routed(system, urls, tmp) as rt:
+        budgets: list[float] | None = [] if system.startswith("slogate") else None
+        res = asyncio.run(replay(rt.url, reqs, budgets))
+        rt.done()
+        shed: dict[str, float] = {}
+        if not system.startswith("vllm-router"):  # why slogate refused what it refused
+            for labels, v in samples(httpx.get(f"{rt.url}/metrics", timeout=5).text, "slogate_shed_total"):
+                shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
     gp, att = 0.0, 0
     by_rule = {"tpot": [0, 0.0], "timeline": [0, 0.0]}
     outcomes = []
@@ -300,7 +322,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "ideal_output_tokens": round(sum(r["n_out"] for r in res) / duration, 1),
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tpot_p50": pct(tpots, 0.5), "tpot_p90": pct(tpots, 0.9),
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
-            "router_cpu_share": round(cpu / wall, 3), "wall_s": round(wall, 1),
+            "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None, "shed": shed,
             "outcomes": outcomes}
 
@@ -313,24 +335,18 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
     """guidellm as the client, sending no SLO field at all (its requests are what any OpenAI
     client sends): Poisson arrivals, synthetic prompts of the trace's mean lengths, judged by
     guidellm's own SLO rule (TTFT ≤ 1 s, inter-token latency ≤ 50 ms)."""
-    reset_caches(urls)
-    proc, url = start_router(system, urls, tmp)
     out = tmp / f"guidellm-{system}-{rate:g}.json"
     out.unlink(missing_ok=True)
-    try:
-        cpu0, t0 = cpu_s(proc.pid), time.monotonic()
-        cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={url},model=tiny", "--profile", f"kind=poisson,rate={rate:g}",
+    with routed(system, urls, tmp) as rt:
+        cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={rt.url},model=tiny", "--profile", f"kind=poisson,rate={rate:g}",
                "--constraint", f"kind=max_duration,seconds={duration:g}",
                "--data", f"kind=synthetic_text,prompt_tokens={lengths[0]},output_tokens={lengths[1]}",
                "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out}",
                "--metrics", json.dumps({"kind": "generative", "slo": GUIDELLM_SLO}), "--disable-console"]
         r = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=duration * 3 + 120)
-        wall = time.monotonic() - t0
-        cpu = cpu_s(proc.pid) - cpu0
+        rt.done()
         if r.returncode != 0 or not out.exists():
             raise RuntimeError(f"guidellm failed ({r.returncode}): {r.stderr[-2000:]}")
-    finally:
-        stop([proc])
     b = json.loads(out.read_text())["benchmarks"][0]
     reqs = {k: b["requests"].get(k) or [] for k in ("successful", "errored", "incomplete")}
     ok = reqs["successful"]
@@ -352,31 +368,25 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             "ttft_p50_ms": p("time_to_first_token_ms", "p50"), "ttft_p90_ms": p("time_to_first_token_ms", "p90"),
             "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
             "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
-            "duration_s": round(dur, 1), "router_cpu_share": round(cpu / wall, 3)}
+            "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3)}
 
 
 def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, tmp: Path, vllm_python: str, tokenizer: Path, seed: int,
                    lengths: tuple[int, int] = (450, 215)) -> dict:
     """`vllm bench serve` as the client, no SLO field, judged by its own `--goodput ttft:1000
     tpot:50` (TPOT = (latency − TTFT) / (output tokens − 1))."""
-    reset_caches(urls)
-    proc, url = start_router(system, urls, tmp)
     name = f"vllmbench-{system}-{rate:g}-{seed}.json"
-    try:
-        cpu0, t0 = cpu_s(proc.pid), time.monotonic()
-        cmd = [vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat", "--base-url", url,
+    with routed(system, urls, tmp) as rt:
+        cmd = [vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat", "--base-url", rt.url,
                "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", str(tokenizer), "--dataset-name", "random",
                "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]), "--ignore-eos",
                "--request-rate", f"{rate:g}", "--num-prompts", str(max(round(rate * duration), 1)), "--seed", str(seed),
                "--goodput", f"ttft:{TTFT_S * 1000:g}", f"tpot:{TBT_S * 1000:g}", "--save-result", "--save-detailed",
                "--result-dir", str(tmp), "--result-filename", name]
         r = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=duration * 4 + 180)
-        wall = time.monotonic() - t0
-        cpu = cpu_s(proc.pid) - cpu0
+        rt.done()
         if r.returncode != 0 or not (tmp / name).exists():
             raise RuntimeError(f"vllm bench serve failed ({r.returncode}): {r.stderr[-2000:]}")
-    finally:
-        stop([proc])
     d = json.loads((tmp / name).read_text())
     ok, tpots, good_tokens = 0, [], 0
     for ttft, lat, n, err in zip(d["ttfts"], d["latencies"], d["output_lens"], d["errors"], strict=False):
@@ -395,7 +405,7 @@ def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, t
             "ttft_p90_ms": pct([1000 * x for x, e in zip(d["ttfts"], d["errors"], strict=False) if not e], 0.9),
             "itl_p50_ms": pct([1000 * g for it in d["itls"] for g in it], 0.5), "itl_p90_ms": pct([1000 * g for it in d["itls"] for g in it], 0.9),
             "itl_p99_ms": pct([1000 * g for it in d["itls"] for g in it], 0.99), "tpot_p50_ms": pct([1000 * t for t in tpots], 0.5),
-            "duration_s": round(d["duration"], 1), "router_cpu_share": round(cpu / wall, 3)}
+            "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3)}
 
 
 def report_guidellm(rows: list[dict]) -> list[str]:

@@ -48,7 +48,7 @@ from gateway.state.memory import MemoryStore
 from gateway.state.redis import RedisStore
 from predictors.features import prompt_from_body
 from predictors.online import OnlineLengthPredictor
-from router.capacity import CapacityLearner, affordable_pace
+from router.capacity import CapacityLearner, learned_budget
 from router.goodput import RequestLedger
 from router.latency import PROFILES, BatchLatencyModel
 from router.registry import make_ordering, make_placement
@@ -241,12 +241,11 @@ class Gateway:
             ext = int(b.external + 0.5)
             learned = b.cfg.budget
             if b.learner is not None:
-                target = affordable_pace(now, (*v.decoding.values(), *v.prefill_queue.values()))
-                learned = b.learner.update(now, target, v.inflight + ext)
+                learned = learned_budget(b.learner, v, now, ext)
                 if log.isEnabledFor(logging.DEBUG):
                     lr = b.learner
-                    log.debug("budget %s: %d (target %s s/token, holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s)",
-                              b.name, learned, target, v.inflight, ext, lr.fit, lr.stall, lr.pace)
+                    log.debug("budget %s: %d (holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s)",
+                              b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace)
             budget = max(1, learned - ext)
             if b.kv_usage is not None and b.kv_usage >= KV_FULL:
                 budget = max(1, min(budget, v.inflight))

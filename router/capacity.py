@@ -36,8 +36,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import median
+from typing import TYPE_CHECKING
 
 from router.request import Request, SLOClass
+
+if TYPE_CHECKING:
+    from router.view import ReplicaView
 
 
 @dataclass
@@ -173,6 +177,14 @@ class CapacityLearner:
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
         return self.budget
+
+
+def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0) -> int:
+    """One learning step for a replica, the same in the gateway and the simulator: the pace its
+    latency streams can afford now is the target, and what it holds (plus `external` requests
+    that other clients run there) is the n the recent gaps were measured at."""
+    target = affordable_pace(now, (*view.decoding.values(), *view.prefill_queue.values()))
+    return learner.update(now, target, view.inflight + external)
 
 
 def affordable_pace(now: float, reqs: Iterable[Request], headroom: float = 1.0) -> float | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from predictors.length import LengthEstimator
 from predictors.pattern_graph import PatternStore, StageNode
-from router.capacity import CapacityLearner, affordable_pace
+from router.capacity import CapacityLearner, learned_budget
 from router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from router.latency import BatchLatencyModel, LatencyCoeffs
 from router.request import SLO, Request, Tier, Workflow
@@ -260,8 +260,7 @@ class ClusterSim:
         now = self.now
         total = 0
         for v, lr in zip(self.views, self.learners, strict=True):
-            target = affordable_pace(now, (*v.decoding.values(), *v.prefill_queue.values()))
-            v.budget = max(1, lr.update(now, target, v.inflight))
+            v.budget = max(1, learned_budget(lr, v, now))
             total += v.budget
         self.budget_samples.append(total)
 

