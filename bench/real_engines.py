@@ -66,6 +66,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_ST
            "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_SERVER_DEV_MODE": "1"}  # POST /reset_prefix_cache between systems
+# The `vllm` CLI reads its own version from the distribution `vllm`; the package is `vllm-cpu`.
+# The version must say +cpu, or vLLM takes the machine for a CUDA one (and dies of SIGILL).
+VLLM_CLI = ("import importlib.metadata as m, runpy, sys; v = m.version; "
+            "m.version = lambda n: '0.32.0+cpu' if n == 'vllm' else v(n); sys.argv[0] = 'vllm'; "
+            "runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__')")
 TTFT_S, TBT_S = 1.0, 0.05
 LATENCY_SHARE = 0.75
 MAX_IN, MAX_OUT = 1200, 400  # within --max-model-len 2048
@@ -377,7 +382,7 @@ def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, t
     tpot:50` (TPOT = (latency − TTFT) / (output tokens − 1))."""
     name = f"vllmbench-{system}-{rate:g}-{seed}.json"
     with routed(system, urls, tmp) as rt:
-        cmd = [vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai-chat", "--base-url", rt.url,
+        cmd = [vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai-chat", "--base-url", rt.url,
                "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", str(tokenizer), "--dataset-name", "random",
                "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]), "--ignore-eos",
                "--request-rate", f"{rate:g}", "--num-prompts", str(max(round(rate * duration), 1)), "--seed", str(seed),

@@ -83,6 +83,24 @@ class PolicyConfig(_Strict):
     profile: str = Field(DEFAULT_PROFILE, description="Batch latency profile the replica model starts from (corrected online by β).")
     seed: int = Field(0, description="Seed of randomised policies (random, p2c, sa).")
 
+    @field_validator("ordering")
+    @classmethod
+    def _known_ordering(cls, v: str) -> str:
+        from router.registry import ORDERING
+
+        if v not in ORDERING:
+            raise ValueError(f"unknown ordering policy {v!r}; known: {', '.join(sorted(ORDERING))}")
+        return v
+
+    @field_validator("placement")
+    @classmethod
+    def _known_placement(cls, v: str) -> str:
+        from router.registry import PLACEMENT
+
+        if v not in PLACEMENT:
+            raise ValueError(f"unknown placement policy {v!r}; known: {', '.join(sorted(PLACEMENT))}")
+        return v
+
 
 class PredictorConfig(_Strict):
     model_path: str | None = Field(None, description="Length model from `slogate train-predictor`; none: a cold-start quantile of observed lengths.")
@@ -187,6 +205,49 @@ ENV_OVERRIDES: dict[str, str] = {
     "SLOGATE_REDIS_URL": "`state.url`, and sets `state.kind: redis`",
     "SLOGATE_PREDICTOR_MODEL": "`predictor.model_path`",
 }
+
+
+# `slogate serve` flags for the knobs a user tries first: flag → (config key, what it sets).
+# They override the file and the environment (`apply_flags`); documented from here.
+CLI_FLAGS: dict[str, tuple[str, str]] = {
+    "--backend URL": ("backends", "repeatable; replaces `backends` (models are discovered from each `/v1/models`)"),
+    "--ordering NAME": ("policies.ordering", "ordering / admission policy"),
+    "--placement NAME": ("policies.placement", "placement policy"),
+    "--budget N": ("backends[].budget", "every backend's budget (the upper bound when budgets are learned)"),
+    "--learn-budget / --no-learn-budget": ("capacity.learn", "learn each replica's SLO-safe concurrency, or keep `budget` fixed"),
+    "--pacing / --no-pacing": ("pacing.enabled", "the smoothing buffer for latency streams"),
+    "--ttft-ms MS": ("slo.default.ttft_ms", "default time to first token"),
+    "--tbt-ms MS": ("slo.default.tbt_ms", "default time between tokens"),
+    "--deadline-ms MS": ("slo.default.deadline_ms", "default deadline of a whole answer"),
+    "--waiting-ms MS": ("slo.default.waiting_ms", "default longest wait for admission"),
+    "--redis-url URL": ("state.url", "share per-replica state through this Redis (sets `state.kind: redis`)"),
+}
+
+
+def apply_flags(cfg: GatewayConfig, *, backends: list[str] | None = None, ordering: str | None = None, placement: str | None = None,
+                budget: int | None = None, learn_budget: bool | None = None, pacing: bool | None = None, ttft_ms: float | None = None,
+                tbt_ms: float | None = None, deadline_ms: float | None = None, waiting_ms: float | None = None,
+                redis_url: str | None = None) -> GatewayConfig:
+    """`cfg` with the command line's values over it (None: not given); validated like the file,
+    so a bad value fails with the config key it maps to."""
+    raw = cfg.model_dump()
+    if backends:
+        raw["backends"] = [{"url": u} for u in backends]
+    pol = raw["policies"]
+    pol.update({k: v for k, v in (("ordering", ordering), ("placement", placement)) if v is not None})
+    if budget is not None:
+        for b in raw["backends"]:
+            b["budget"] = budget
+    if learn_budget is not None:
+        raw["capacity"]["learn"] = learn_budget
+    if pacing is not None:
+        raw["pacing"]["enabled"] = pacing
+    slo = raw["slo"]["default"]
+    slo.update({k: v for k, v in (("ttft_ms", ttft_ms), ("tbt_ms", tbt_ms), ("deadline_ms", deadline_ms), ("waiting_ms", waiting_ms))
+                if v is not None})
+    if redis_url is not None:
+        raw["state"].update(kind="redis", url=redis_url)
+    return GatewayConfig.model_validate(raw)
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> GatewayConfig:

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from gateway.config import ENV_OVERRIDES, GatewayConfig
+from gateway.config import CLI_FLAGS, ENV_OVERRIDES, GatewayConfig
 from gateway.metrics import Metrics
 from gateway.slo import BODY_FIELDS, HEADERS
 
@@ -99,6 +99,9 @@ def config_reference() -> str:
         lines.append(f"| `{path}` | {typ} | {_cell(default)} | {bounds} | {_cell(desc)} |")
     lines += ["", "## Environment overrides\n", "Applied over the file.\n", "| variable | sets |", "|---|---|"]
     lines += [f"| `{k}` | {v} |" for k, v in ENV_OVERRIDES.items()]
+    lines += ["", "## `slogate serve` flags\n", "Applied over the file and the environment (flags, then `SLOGATE_*`, then the file, "
+              "then the defaults); a bad value is rejected with the key it maps to.\n", "| flag | key | sets |", "|---|---|---|"]
+    lines += [f"| `{f}` | `{k}` | {v} |" for f, (k, v) in CLI_FLAGS.items()]
     return "\n".join(lines) + "\n"
 
 

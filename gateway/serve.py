@@ -38,7 +38,7 @@ async def _start(server: uvicorn.Server) -> asyncio.Task[Any]:
 
 
 async def serve(cfg: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, sim_engines: int = 0, sim_model: str = "sim-model",
-                log_level: str = "info") -> None:
+                log_level: str = "info", sim_budget: int | None = None) -> None:
     """Serve the gateway; with `sim_engines` > 0, first start that many simulated engines in this
     process and point the gateway at them (the embedded default)."""
     engines: list[tuple[uvicorn.Server, asyncio.Task[Any]]] = []
@@ -46,7 +46,8 @@ async def serve(cfg: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, s
         p = free_port()
         srv = uvicorn.Server(uvicorn.Config(create_engine_app(sim_model), host="127.0.0.1", port=p, log_level="warning", lifespan="on"))
         engines.append((srv, await _start(srv)))
-        cfg.backends.append(BackendConfig(url=f"http://127.0.0.1:{p}", models=[sim_model], name=f"sim-{len(engines)}"))
+        cfg.backends.append(BackendConfig(url=f"http://127.0.0.1:{p}", models=[sim_model], name=f"sim-{len(engines)}",
+                                          **({"budget": sim_budget} if sim_budget else {})))
     app = create_app(cfg, make_predictor(cfg))
     # Keep idle client connections longer than clients do (httpx: 5 s, uvicorn's default is also
     # 5 s): with equal timeouts a client can reuse a connection the server is closing, and the

@@ -116,11 +116,21 @@ def load_workflows(path: str | Path) -> list[WorkflowSpec]:
 
 
 def parse_weights(spec: str) -> dict[str, float]:
-    """'latency=1,deadline=1' -> {'latency': 1.0, 'deadline': 1.0}."""
+    """'latency=1,deadline=1,compound=0' -> {'latency': 1.0, 'deadline': 1.0}: a class with
+    weight 0 is left out, as if it were not named."""
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         k, _, v = part.partition("=")
-        out[k.strip()] = float(v)
+        try:
+            w = float(v)
+        except ValueError:
+            raise ValueError(f"mix entry {part!r}: expected class=weight with a number, e.g. latency=1") from None
+        if w < 0:
+            raise ValueError(f"mix entry {part!r}: a weight cannot be negative")
+        if w > 0:
+            out[k.strip()] = w
+    if spec.strip() and not out:
+        raise ValueError(f"mix {spec!r}: every class has weight 0")
     return out
 
 
@@ -146,7 +156,7 @@ def build_workload(
     seed: int = 0,
 ) -> Workload:
     rng = random.Random(seed)
-    kinds = [SLOClass(k) for k in mix]
+    kinds = [SLOClass(k) for k, w in mix.items() if w > 0]
     weights = [mix[k.value] for k in kinds]
     if SLOClass.COMPOUND in kinds and not workflows:
         raise ValueError("the mix has compound requests but no --workflows file was given")

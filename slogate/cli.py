@@ -270,12 +270,36 @@ def serve(
     port: int = 8000,
     sim_engines: Annotated[int, typer.Option(help="with no config and no backend: simulated engines to start")] = 4,
     log_level: str = "info",
+    ordering: Annotated[str | None, typer.Option(help="policies.ordering: gmax, fcfs, edf, sjf, ltr, plas, slide, priority, vtc, sa",
+                                                 rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    placement: Annotated[str | None, typer.Option(help="policies.placement: gorouting, pok, least-load, round-robin, random, p2c",
+                                                  rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    budget: Annotated[int | None, typer.Option(help="backends[].budget: requests kept in flight per replica at most",
+                                               rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    learn_budget: Annotated[bool | None, typer.Option("--learn-budget/--no-learn-budget", help="capacity.learn: learn each replica's "
+                                                      "SLO-safe concurrency (budget stays the bound), or keep budget fixed",
+                                                      rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    pacing: Annotated[bool | None, typer.Option("--pacing/--no-pacing", help="pacing.enabled: the smoothing buffer for latency streams",
+                                                rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    ttft_ms: Annotated[float | None, typer.Option(help="slo.default.ttft_ms: default time to first token",
+                                                  rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    tbt_ms: Annotated[float | None, typer.Option(help="slo.default.tbt_ms: default time between tokens",
+                                                 rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    deadline_ms: Annotated[float | None, typer.Option(help="slo.default.deadline_ms: default deadline of a whole answer",
+                                                      rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    waiting_ms: Annotated[float | None, typer.Option(help="slo.default.waiting_ms: default longest wait for admission",
+                                                     rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="state.url (and state.kind redis): share replica state with other gateways",
+                                                  rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
 ) -> None:
-    """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state."""
+    """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state.
+    Precedence: flags, then SLOGATE_* environment variables, then the config file, then defaults."""
     import asyncio
     import os
 
-    from gateway.config import BackendConfig, load_config
+    from pydantic import ValidationError
+
+    from gateway.config import apply_flags, load_config
     from gateway.serve import serve as run
 
     if config is None and os.environ.get("SLOGATE_CONFIG"):
@@ -284,15 +308,18 @@ def serve(
         cfg = load_config(config)
     except (ValueError, OSError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from e
-    if backend:
-        try:
-            cfg.backends = [BackendConfig(url=u) for u in backend]
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--backend") from e
+    try:
+        cfg = apply_flags(cfg, backends=backend, ordering=ordering, placement=placement, budget=budget, learn_budget=learn_budget,
+                          pacing=pacing, ttft_ms=ttft_ms, tbt_ms=tbt_ms, deadline_ms=deadline_ms, waiting_ms=waiting_ms, redis_url=redis_url)
+    except ValidationError as e:
+        msgs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
+        raise typer.BadParameter(msgs) from e
+    import contextlib
     import faulthandler
     import signal
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
+    with contextlib.suppress(OSError, ValueError):  # stderr without a file descriptor (embedded, tests)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     import logging
 
     # The gateway's own loggers (slogate.*) follow --log-level too, not only uvicorn's.
@@ -301,7 +328,7 @@ def serve(
     n_sim = sim_engines if not cfg.backends else 0
     if n_sim:
         console.print(f"no backend configured: starting {n_sim} simulated engines (model 'sim-model')")
-    asyncio.run(run(cfg, host, port, sim_engines=n_sim, log_level=log_level))
+    asyncio.run(run(cfg, host, port, sim_engines=n_sim, log_level=log_level, sim_budget=budget))
 
 
 @app.command()

@@ -40,3 +40,16 @@ def test_bad_policy_and_missing_workflows_are_clear_errors(synthetic_trace):
     assert res.exit_code != 0 and "workflows" in res.output
     res = runner.invoke(app, ["simulate", "--trace", str(synthetic_trace), "--predictor", "qrf"])
     assert res.exit_code != 0 and "qrf" in res.output
+
+
+def test_a_class_with_weight_zero_is_left_out_of_the_mix(tmp_path, synthetic_trace):
+    # compound=0 needs no --workflows file: weight 0 means the class is not in the mix at all.
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["simulate", "--trace", str(synthetic_trace), "--mix", "latency=1,deadline=1,compound=0", "--replicas", "2",
+                              "--policies", "fcfs+least-load", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    att = json.loads(out.read_text())["results"][0]["slo_attainment"]
+    assert {"latency", "deadline"} <= set(att) and "compound" not in att, att
+    for bad, msg in (("latency=0,deadline=0", "weight 0"), ("latency=-1,deadline=1", "negative"), ("latency=x", "number")):
+        res = runner.invoke(app, ["simulate", "--trace", str(synthetic_trace), "--mix", bad])
+        assert res.exit_code != 0 and msg in res.output, (bad, res.output)
