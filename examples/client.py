@@ -48,7 +48,11 @@ def main() -> None:
             if e.type == "response.output_text.delta")
     print(f"responses stream: {n} deltas")
 
-    # 6. Bad SLO values are refused with a 400 in the OpenAI error shape.
+    # 6. Embeddings go to a replica that serves the model, like any request.
+    e = c.embeddings.create(model=a.model, input=["first text", "second text"])
+    print(f"embeddings: {len(e.data)} vectors of {len(e.data[0].embedding)} numbers")
+
+    # 7. Bad SLO values are refused with a 400 in the OpenAI error shape.
     try:
         c.chat.completions.create(model=a.model, messages=msgs, extra_body={"slo": {"ttft_ms": -5}})
     except openai.BadRequestError as e:

@@ -37,10 +37,10 @@ from starlette.requests import ClientDisconnect
 from gateway.admission import Admission, Ticket
 from gateway.auth import Authenticator
 from gateway.config import BackendConfig, GatewayConfig
-from gateway.errors import APIError, error_body
+from gateway.errors import APIError, as_openai_error, error_body
 from gateway.metrics import Metrics
 from gateway.pacing import Pacer, paced
-from gateway.schema import openapi, validate_body
+from gateway.schema import PATHS, POOLING, openapi, validate_body
 from gateway.slo import Resolved, WorkflowRegistry, resolve
 from gateway.sse import KEEPALIVE, USAGE_FIELD, EventInfo, EventSplitter, error_event, inspect
 from gateway.state.base import Entry, SlotStore, StateUnavailable
@@ -59,7 +59,6 @@ from router.view import ReplicaView
 
 log = logging.getLogger("slogate.gateway")
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 JSON_IN_THREAD = 256 * 1024  # bodies larger than this are parsed / encoded off the event loop
 
 
@@ -418,7 +417,12 @@ class Gateway:
         t_recv = time.perf_counter()
         key = self.auth.identify(request.headers)  # 401 before the body is even read
         body, body_size = await self._read_json(request)
+        pooling = kind in POOLING
         validate_body(kind, body)
+        if body.get("model") is None:  # /tokenize and /detokenize may leave it out, as vLLM's do
+            if len(self.groups) != 1:
+                raise APIError(400, "model: required when the gateway serves several models", param="model")
+            body["model"] = next(iter(self.groups))
         model = body["model"]
         self.auth.check_model(key, model)
         adm = self.groups.get(model)
@@ -426,11 +430,16 @@ class Gateway:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         now = time.monotonic()
         res = resolve(body, request.headers, self.cfg, self.workflows, now, key)
-        prompt = prompt_from_body(body)
-        n_in = max(len(prompt.text) // 4, 1)
-        await self.auth.check_rate(key, n_in + (prompt.max_tokens or 256))
+        # Embeddings and the like: no answer to predict, one unit of output; the body's size
+        # estimates what the engine reads.
+        prompt = None if pooling else prompt_from_body(body)
+        n_in = max(body_size // 4, 1) if prompt is None else max(len(prompt.text) // 4, 1)
+        max_tokens = 1 if prompt is None else prompt.max_tokens
+        await self.auth.check_rate(key, n_in + (max_tokens or 256))
         req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
-                          max_tokens=prompt.max_tokens, workflow=res.workflow, stage=res.stage)
+                          max_tokens=max_tokens, workflow=res.workflow, stage=res.stage)
+        if prompt is None:
+            req.len_bound = req.len_mean = 1.0
         labels = (model, res.tier.name, res.slo.kind.value)
         stream = bool(body.get("stream"))
         overhead = time.perf_counter() - t_recv
@@ -463,16 +472,16 @@ class Gateway:
                 self.metrics.requests.labels(*labels, "failed").inc()
                 raise
             self.metrics.overhead.observe(overhead)  # parse, validate, resolve: queue and upstream time excluded
-            if resp.status >= 400:  # the engine refused it (4xx): pass its answer through
+            if resp.status >= 400:  # the engine refused it (4xx): pass its answer on, in the OpenAI shape
                 try:
-                    content = await resp.read()
+                    content = as_openai_error(await resp.read(), resp.status)
                 except (aiohttp.ClientError, TimeoutError):
                     content = json.dumps(error_body(f"upstream answered {resp.status}")).encode()
                 resp.release()
                 st.clear()
                 adm.release(ticket, completed=False)
                 self.metrics.requests.labels(*labels, "upstream_4xx").inc()
-                return Response(content, status_code=resp.status, media_type=resp.headers.get("content-type", "application/json"))
+                return Response(content, status_code=resp.status, media_type="application/json")
             led = RequestLedger(req)
             if not stream:
                 try:
@@ -890,6 +899,14 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
     @app.post("/v1/responses", response_model=None)
     async def responses(request: Request) -> Response:
         return await gw.handle("responses", request)
+
+    def route(kind: str) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await gw.handle(kind, request)
+        return endpoint
+
+    for kind in sorted(POOLING):  # vLLM's pooling and tokenizer endpoints, passed to a replica of the model
+        app.add_api_route(PATHS[kind], route(kind), methods=["POST"], response_model=None, name=kind)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -32,3 +33,19 @@ class APIError(Exception):
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def as_openai_error(content: bytes, status: int) -> bytes:
+    """An engine's 4xx body in the OpenAI shape: kept when it already is one (vLLM's usually is),
+    wrapped otherwise (a bare `{"detail": "Not Found"}` for an endpoint the replica lacks)."""
+    try:
+        doc = json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict) and isinstance(doc["error"].get("message"), str):
+        return content
+    detail = doc.get("detail", doc.get("message")) if isinstance(doc, dict) else None
+    if detail is None:
+        detail = content[:500].decode("utf-8", "replace") or f"upstream answered {status}"
+    msg = detail if isinstance(detail, str) else json.dumps(detail)[:500]
+    return json.dumps(error_body(f"upstream: {msg}", _TYPES.get(status, "invalid_request_error"))).encode()

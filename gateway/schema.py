@@ -19,7 +19,7 @@ DAY_MS = 86_400_000.0
 Ms = Annotated[float, Field(ge=1, le=DAY_MS)]  # below a millisecond no SLO is meaningful (and 1e-320 / 1000 is 0)
 Seconds = Annotated[float, Field(ge=0.001, le=DAY_MS / 1000)]
 
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "seed", "priority")
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "seed", "priority", "top_n", "dimensions")
 
 
 def _integral(v: Any) -> Any:
@@ -113,7 +113,59 @@ class ResponsesRequest(_Common):
     max_output_tokens: PositiveInt | None = None
 
 
-MODELS: dict[str, type[_Common]] = {"chat": ChatRequest, "completions": CompletionRequest, "responses": ResponsesRequest}
+class _Pooling(_Open):
+    """Work with no generated answer (embeddings, rerank, score, tokenize): a model, what the
+    engine reads, and slogate's deadline / tier fields; the rest passes through."""
+
+    model: Annotated[str, Field(min_length=1)]
+    user: str | None = None
+    service_tier: str | None = None
+    slo: SLOBody | None = None
+    deadline: Seconds | None = None
+    waiting_time: Seconds | None = None
+    priority: str | int | None = Field(None, description="a tier name, or vLLM's integer priority (passed upstream)")
+    tier: str | None = None
+    workflow: WorkflowBody | None = None
+    stream: Literal[False] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ints(cls, v: Any) -> Any:
+        if isinstance(v, dict) and any(isinstance(v.get(k), float) for k in _INT_FIELDS):
+            v = {**v, **{k: _integral(v[k]) for k in _INT_FIELDS if isinstance(v.get(k), float)}}
+        return v
+
+
+class EmbeddingRequest(_Pooling):
+    # OpenAI's forms: a text, texts, one token list, token lists.
+    input: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
+        | Annotated[list[list[int]], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Field(ge=1, le=16384)] | None = None
+
+
+class RerankRequest(_Pooling):
+    query: str | dict[str, Any]
+    documents: Annotated[list[Any], Field(min_length=1)]
+    top_n: PositiveInt | None = None
+
+
+class ScoreRequest(_Pooling):
+    """vLLM's /v1/score: `text_1` against `text_2` (each a string or a list of them)."""
+
+
+class TokenizeRequest(_Pooling):
+    """vLLM's /tokenize (`prompt` or `messages`) and /detokenize (`tokens`); `model` may be left
+    out when the gateway serves one model."""
+
+    model: Annotated[str, Field(min_length=1)] | None = None  # type: ignore[assignment]
+
+
+MODELS: dict[str, type[_Open]] = {"chat": ChatRequest, "completions": CompletionRequest, "responses": ResponsesRequest,
+                                  "embeddings": EmbeddingRequest, "rerank": RerankRequest, "score": ScoreRequest,
+                                  "tokenize": TokenizeRequest, "detokenize": TokenizeRequest}
+# Kinds whose answer is not generated token by token: deadline or best-effort work, one unit each.
+POOLING = frozenset({"embeddings", "rerank", "score", "tokenize", "detokenize"})
 
 
 _TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
@@ -163,7 +215,8 @@ _ERRORS = {"400": "invalid request", "401": "missing or invalid API key", "403":
 # One server-sent event: `data:` carries an OpenAI chunk (or `[DONE]`, or an `error` object when
 # the upstream fails mid-stream).
 _SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+         "embeddings": "/v1/embeddings", "rerank": "/v1/rerank", "score": "/v1/score", "tokenize": "/tokenize", "detokenize": "/detokenize"}
 
 
 def openapi(app: Any) -> dict[str, Any]:

@@ -15,12 +15,14 @@ is drawn from a log-normal seeded by the prompt, so the same prompt gets the sam
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import itertools
 import json
 import math
 import random
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -357,6 +359,38 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
             yield _sse("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(request: Request) -> Any:
+        """A pooling model's answer: one unit-length vector per input, a function of the input
+        (equal inputs, equal vectors), after one prefill of all of them in the engine."""
+        body = await _body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        raw = body.get("input")
+        items = [raw] if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)) else raw
+        if not isinstance(items, list) or not items:
+            return _err(400, "input must be a string, a list of strings or a list of token lists", param="input")
+        dims = body.get("dimensions") or 16
+        if not isinstance(dims, int) or not 1 <= dims <= 16384:
+            return _err(400, "dimensions must be an integer from 1 to 16384", param="dimensions")
+        n_in = sum(len(x) if isinstance(x, list) else len(str(x)) // 4 + 1 for x in items)
+        e = engine()
+        rid, q = e.submit(n_in, 1, int(body.get("priority") or 0))
+        try:
+            await q.get()  # the prefill
+        finally:
+            e.abort(rid)
+        data = []
+        for i, x in enumerate(items):
+            seed = hashlib.sha256(json.dumps(x).encode()).digest()
+            rng = random.Random(seed)
+            vec = [rng.uniform(-1, 1) for _ in range(dims)]
+            norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+            vec = [v / norm for v in vec]
+            emb: Any = base64.b64encode(struct.pack(f"<{dims}f", *vec)).decode() if body.get("encoding_format") == "base64" else vec
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return {"object": "list", "model": model, "data": data, "usage": {"prompt_tokens": n_in, "total_tokens": n_in}}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Any:

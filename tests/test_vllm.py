@@ -6,61 +6,22 @@ otherwise. The model is built by ../shared/recipes/make_tiny_model.py into a tem
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from servers import ServerThread
+from vllm_engine import start_vllm
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.serve import free_port
-
-RECIPE = Path(__file__).resolve().parents[2] / "shared" / "recipes" / "make_tiny_model.py"
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": "127.0.0.1,localhost",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
-    py = os.environ.get("SLOGATE_VLLM_PYTHON")
-    if not py or not Path(py).exists():
-        pytest.skip("SLOGATE_VLLM_PYTHON is not set to a Python with vllm-cpu (see .ci/run)")
-    if not RECIPE.exists():
-        pytest.skip(f"{RECIPE} not found")
-    model = tmp_path_factory.mktemp("tiny")
-    env = {**os.environ, **OFFLINE}
-    subprocess.run([py, str(RECIPE), str(model)], check=True, env=env, capture_output=True, timeout=300)
-    port = free_port()
-    log = open(model / "vllm.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
-    proc = subprocess.Popen([py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32",
-                             "--enforce-eager", "--scheduling-policy", "priority", "--max-num-seqs", "8"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() - t0 > 240:
-            proc.kill()
-            pytest.fail("vLLM did not start:\n" + (model / "vllm.log").read_text()[-3000:])
-        time.sleep(1)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from start_vllm(tmp_path_factory, "--scheduling-policy", "priority", "--max-num-seqs", "8")
 
 
 def running(url: str) -> float:
@@ -119,3 +80,4 @@ def test_priority_is_stripped_for_replicas_without_priority_scheduling(vllm: str
         r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                       extra_body={"ignore_eos": True, "priority": 7})
         assert r.usage.completion_tokens == 4
+
