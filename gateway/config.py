@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from router.latency import DEFAULT_PROFILE
 
@@ -83,23 +83,12 @@ class PolicyConfig(_Strict):
     profile: str = Field(DEFAULT_PROFILE, description="Batch latency profile the replica model starts from (corrected online by β).")
     seed: int = Field(0, description="Seed of randomised policies (random, p2c, sa).")
 
-    @field_validator("ordering")
+    @field_validator("ordering", "placement")
     @classmethod
-    def _known_ordering(cls, v: str) -> str:
-        from router.registry import ORDERING
+    def _known_policy(cls, v: str, info: ValidationInfo) -> str:
+        from router.registry import check_policy
 
-        if v not in ORDERING:
-            raise ValueError(f"unknown ordering policy {v!r}; known: {', '.join(sorted(ORDERING))}")
-        return v
-
-    @field_validator("placement")
-    @classmethod
-    def _known_placement(cls, v: str) -> str:
-        from router.registry import PLACEMENT
-
-        if v not in PLACEMENT:
-            raise ValueError(f"unknown placement policy {v!r}; known: {', '.join(sorted(PLACEMENT))}")
-        return v
+        return check_policy(str(info.field_name), v)
 
 
 class PredictorConfig(_Strict):

@@ -63,25 +63,15 @@ class StreamOptions(_Open):
     include_usage: bool | None = None
 
 
-class _Common(_Open):
+class _Routed(_Open):
+    """What every request the gateway schedules carries: a model, the OpenAI fields slogate reads,
+    and slogate's own deadline / tier fields (removed before the request goes upstream)."""
+
     model: Annotated[str, Field(min_length=1)]
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: PositiveInt | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     user: str | None = None
     service_tier: str | None = None
-    # slogate's fields (removed before the request goes upstream)
     slo: SLOBody | None = None
     deadline: Seconds | None = None
-    target_ttft: Seconds | None = None
-    target_tft: Seconds | None = None
-    target_tbt: Seconds | None = None
     waiting_time: Seconds | None = None
     priority: str | int | None = Field(None, description="a tier name, or vLLM's integer priority (passed upstream)")
     tier: str | None = None
@@ -93,6 +83,24 @@ class _Common(_Open):
         if isinstance(v, dict) and any(isinstance(v.get(k), float) for k in _INT_FIELDS):
             v = {**v, **{k: _integral(v[k]) for k in _INT_FIELDS if isinstance(v.get(k), float)}}
         return v
+
+
+class _Common(_Routed):
+    """A generated answer (chat, completions, responses)."""
+
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: PositiveInt | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    # slogate's latency fields (JITServe's names)
+    target_ttft: Seconds | None = None
+    target_tft: Seconds | None = None
+    target_tbt: Seconds | None = None
 
 
 class Message(_Open):
@@ -113,27 +121,11 @@ class ResponsesRequest(_Common):
     max_output_tokens: PositiveInt | None = None
 
 
-class _Pooling(_Open):
-    """Work with no generated answer (embeddings, rerank, score, tokenize): a model, what the
-    engine reads, and slogate's deadline / tier fields; the rest passes through."""
+class _Pooling(_Routed):
+    """Work with no generated answer (embeddings, rerank, score, tokenize): what the engine reads
+    passes through; it is never streamed."""
 
-    model: Annotated[str, Field(min_length=1)]
-    user: str | None = None
-    service_tier: str | None = None
-    slo: SLOBody | None = None
-    deadline: Seconds | None = None
-    waiting_time: Seconds | None = None
-    priority: str | int | None = Field(None, description="a tier name, or vLLM's integer priority (passed upstream)")
-    tier: str | None = None
-    workflow: WorkflowBody | None = None
     stream: Literal[False] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _ints(cls, v: Any) -> Any:
-        if isinstance(v, dict) and any(isinstance(v.get(k), float) for k in _INT_FIELDS):
-            v = {**v, **{k: _integral(v[k]) for k in _INT_FIELDS if isinstance(v.get(k), float)}}
-        return v
 
 
 class EmbeddingRequest(_Pooling):
@@ -161,7 +153,7 @@ class TokenizeRequest(_Pooling):
     model: Annotated[str, Field(min_length=1)] | None = None  # type: ignore[assignment]
 
 
-MODELS: dict[str, type[_Open]] = {"chat": ChatRequest, "completions": CompletionRequest, "responses": ResponsesRequest,
+MODELS: dict[str, type[_Routed]] = {"chat": ChatRequest, "completions": CompletionRequest, "responses": ResponsesRequest,
                                   "embeddings": EmbeddingRequest, "rerank": RerankRequest, "score": ScoreRequest,
                                   "tokenize": TokenizeRequest, "detokenize": TokenizeRequest}
 # Kinds whose answer is not generated token by token: deadline or best-effort work, one unit each.

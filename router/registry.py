@@ -17,18 +17,23 @@ PLACEMENT: dict[str, Callable[..., PlacementPolicy]] = {
 _SEEDED = {"gmax", "sa"}
 
 
+def check_policy(family: str, name: str) -> str:
+    """`name` if it is a known `family` ("ordering" or "placement") policy, else a ValueError listing the known ones."""
+    table = ORDERING if family == "ordering" else PLACEMENT
+    if name not in table:
+        raise ValueError(f"unknown {family} policy {name!r}; known: {', '.join(sorted(table))}")
+    return name
+
+
 def make_ordering(name: str, seed: int = 0, **params: Any) -> OrderingPolicy:
-    if name not in ORDERING:
-        raise ValueError(f"unknown ordering policy {name!r}; known: {', '.join(sorted(ORDERING))}")
+    check_policy("ordering", name)
     if name in _SEEDED:
         params.setdefault("seed", seed)
     return ORDERING[name](**params)
 
 
 def make_placement(name: str, seed: int = 0, **params: Any) -> PlacementPolicy:
-    if name not in PLACEMENT:
-        raise ValueError(f"unknown placement policy {name!r}; known: {', '.join(sorted(PLACEMENT))}")
-    return PLACEMENT[name](seed=seed, **params)
+    return PLACEMENT[check_policy("placement", name)](seed=seed, **params)
 
 
 def parse_combo(combo: str) -> tuple[str, str]:
@@ -36,8 +41,4 @@ def parse_combo(combo: str) -> tuple[str, str]:
     if combo.count("+") != 1:
         raise ValueError(f"policy combination must be ORDERING+PLACEMENT, got {combo!r}")
     o, p = combo.split("+")
-    if o not in ORDERING:
-        raise ValueError(f"unknown ordering policy {o!r}; known: {', '.join(sorted(ORDERING))}")
-    if p not in PLACEMENT:
-        raise ValueError(f"unknown placement policy {p!r}; known: {', '.join(sorted(PLACEMENT))}")
-    return o, p
+    return check_policy("ordering", o), check_policy("placement", p)

@@ -262,6 +262,9 @@ def eval_graphs(
         out.write_text(json.dumps(report, indent=2))
 
 
+KNOBS = "Knobs (override the config file and SLOGATE_* variables)"  # the --help panel of serve's knob flags
+
+
 @app.command()
 def serve(
     config: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="gateway YAML config")] = None,
@@ -271,26 +274,26 @@ def serve(
     sim_engines: Annotated[int, typer.Option(help="with no config and no backend: simulated engines to start")] = 4,
     log_level: str = "info",
     ordering: Annotated[str | None, typer.Option(help="policies.ordering: gmax, fcfs, edf, sjf, ltr, plas, slide, priority, vtc, sa",
-                                                 rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                 rich_help_panel=KNOBS)] = None,
     placement: Annotated[str | None, typer.Option(help="policies.placement: gorouting, pok, least-load, round-robin, random, p2c",
-                                                  rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                  rich_help_panel=KNOBS)] = None,
     budget: Annotated[int | None, typer.Option(help="backends[].budget: requests kept in flight per replica at most",
-                                               rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                               rich_help_panel=KNOBS)] = None,
     learn_budget: Annotated[bool | None, typer.Option("--learn-budget/--no-learn-budget", help="capacity.learn: learn each replica's "
                                                       "SLO-safe concurrency (budget stays the bound), or keep budget fixed",
-                                                      rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                      rich_help_panel=KNOBS)] = None,
     pacing: Annotated[bool | None, typer.Option("--pacing/--no-pacing", help="pacing.enabled: the smoothing buffer for latency streams",
-                                                rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                rich_help_panel=KNOBS)] = None,
     ttft_ms: Annotated[float | None, typer.Option(help="slo.default.ttft_ms: default time to first token",
-                                                  rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                  rich_help_panel=KNOBS)] = None,
     tbt_ms: Annotated[float | None, typer.Option(help="slo.default.tbt_ms: default time between tokens",
-                                                 rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                 rich_help_panel=KNOBS)] = None,
     deadline_ms: Annotated[float | None, typer.Option(help="slo.default.deadline_ms: default deadline of a whole answer",
-                                                      rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                      rich_help_panel=KNOBS)] = None,
     waiting_ms: Annotated[float | None, typer.Option(help="slo.default.waiting_ms: default longest wait for admission",
-                                                     rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                     rich_help_panel=KNOBS)] = None,
     redis_url: Annotated[str | None, typer.Option(help="state.url (and state.kind redis): share replica state with other gateways",
-                                                  rich_help_panel="Knobs (override the config file and SLOGATE_* variables)")] = None,
+                                                  rich_help_panel=KNOBS)] = None,
 ) -> None:
     """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state.
     Precedence: flags, then SLOGATE_* environment variables, then the config file, then defaults."""
