@@ -121,11 +121,12 @@ class BatchLatencyModel:
         return self.beta * self._decode(1024)
 
     # -- online correction ----------------------------------------------------------------
-    def observe_prefill(self, real_s: float, tokens: float) -> None:
+    def observe_prefill(self, real_s: float, tokens: float, cached: float = 0.0) -> None:
         """A request dispatched to an otherwise prefill-free replica had its first token after
-        `real_s`: its prefill (and the step it shared) against the profile's estimate. A
+        `real_s`: its prefill of `tokens` over `cached` ones (and the step it shared) against
+        the profile's estimate. A
         median over the window: one first token held up by the client or the network is noise."""
-        est = self._prefill(tokens, 0.0) + self.coeffs.t_c
+        est = self._prefill(tokens, cached) + self.coeffs.t_c
         if est <= 0 or real_s <= 0:
             return
         self._p_window.append(real_s / est)

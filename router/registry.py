@@ -5,14 +5,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from router.placement import GoRouting, GoRoutingPD, LeastLoad, PlacementPolicy, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
+from router.placement import (
+    CacheAware,
+    GoRouting,
+    GoRoutingPD,
+    LeastLoad,
+    PlacementPolicy,
+    PowerOfK,
+    PowerOfTwo,
+    PrefixScore,
+    RandomPlacement,
+    RoundRobin,
+    SessionHash,
+)
 from router.policies import EDF, FCFS, GMAX, LTR, PLAS, SJF, OrderingPolicy, SimulatedAnnealing, SlideBatching, StrictPriority, WeightedVTC
 
 ORDERING: dict[str, Callable[..., OrderingPolicy]] = {
     cls.name: cls for cls in (GMAX, FCFS, EDF, SJF, LTR, PLAS, SlideBatching, StrictPriority, WeightedVTC, SimulatedAnnealing)
 }
 PLACEMENT: dict[str, Callable[..., PlacementPolicy]] = {
-    cls.name: cls for cls in (GoRouting, GoRoutingPD, PowerOfK, LeastLoad, RoundRobin, RandomPlacement, PowerOfTwo)
+    cls.name: cls for cls in (GoRouting, GoRoutingPD, PowerOfK, LeastLoad, RoundRobin, RandomPlacement, PowerOfTwo,
+                        CacheAware, PrefixScore, SessionHash)
 }
 _SEEDED = {"gmax", "sa"}
 

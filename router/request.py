@@ -111,6 +111,14 @@ class Request:
     replica: int | None = None
     preemptions: int = 0
     shed_reason: str | None = None
+    # Prompt as chained block hashes (router/prefix.py) and the prompt tokens one block holds;
+    # `cached` is the prefix hit (tokens) on the replica it was last dispatched to.
+    prefix: tuple[int, ...] = ()
+    tokens_per_block: float = 0.0
+    cached: int = 0
+    session: int = 0  # a client's session key (hashed), for sticky placements; 0: none
+    best_cached: int = 0  # the largest prefix hit on any replica, as of `best_cached_at`
+    best_cached_at: float = -math.inf
     # Static SLO features for vectorised policies, computed once (the SLO never changes).
     static: tuple[float, ...] = field(default=(), repr=False)
 

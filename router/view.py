@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.latency import BatchLatencyModel
+from router.prefix import PrefixCache, hit_tokens
 from router.request import Request
 
 
@@ -34,6 +35,7 @@ class ReplicaView:
     remote_kv: int = 0
     remote_prefill_raw: float = 0.0
     solo: set[int] = field(default_factory=set)  # dispatched to an empty prefill queue: their TTFT times a prefill
+    cache: PrefixCache | None = None  # where this replica's prefix cache is (None: not tracked)
 
     @property
     def inflight(self) -> int:
@@ -60,18 +62,30 @@ class ReplicaView:
     def free(self) -> int:
         return max(self.budget - self.inflight, 0) if self.healthy else 0
 
+    def cached_tokens(self, req: Request) -> int:
+        """Prompt tokens of `req` this replica's prefix cache holds, as far as the gateway knows."""
+        if self.cache is None or not req.prefix:
+            return 0
+        return hit_tokens(self.cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
+
+    def prefill_cost(self, req: Request, cached: int | None = None) -> float:
+        """Corrected prefill time of `req` here: only the part its cache does not hold."""
+        c = self.cached_tokens(req) if cached is None else cached
+        return self.model.prefill_time(req.context_tokens - c, c)
+
     def _enqueue(self, req: Request) -> None:
         self.prefill_queue[req.rid] = req
         n = req.context_tokens
         self.prefill_ctx += n
-        self.prefill_work_raw += self.model.raw_prefill(n)
+        self.prefill_work_raw += self.model.raw_prefill(n - req.cached, req.cached)
 
     def _dequeue(self, req: Request, now: float) -> bool:
         if self.prefill_queue.pop(req.rid, None) is None:
             return False
         n = req.context_tokens
         self.prefill_ctx = max(self.prefill_ctx - n, 0)
-        self.prefill_work_raw = max(self.prefill_work_raw - self.model.raw_prefill(n), 0.0) if self.prefill_queue else 0.0
+        raw = self.model.raw_prefill(n - req.cached, req.cached)
+        self.prefill_work_raw = max(self.prefill_work_raw - raw, 0.0) if self.prefill_queue else 0.0
         if not self.prefill_queue:
             self.prefill_ctx = 0
         self.ts_prefill = now
@@ -80,6 +94,9 @@ class ReplicaView:
     def claim(self, req: Request, now: float) -> None:
         req.replica = self.rid
         req.dispatched_at = now
+        req.cached = self.cached_tokens(req)
+        if self.cache is not None and req.prefix:
+            self.cache.insert(req.prefix)  # its prompt is computed here next: later prompts hit it
         if not self.prefill_queue and not self.remote_prefill:
             self.solo.add(req.rid)
         self._enqueue(req)
@@ -89,7 +106,7 @@ class ReplicaView:
         if req.rid in self.solo and req.dispatched_at is not None:
             # Dispatched to an empty prefill queue: nothing ahead of it, so its first token
             # times the replica's prefill (what arrived later queued behind it).
-            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens)
+            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens - req.cached, req.cached)
         self.solo.discard(req.rid)
         self._dequeue(req, now)
         self.decoding[req.rid] = req
@@ -119,8 +136,20 @@ class ReplicaView:
         """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
         t = self.prefill_backlog(now) + self.n_decode * self.model.b_d
         if extra is not None:
-            t += self.model.prefill_time(extra.context_tokens) + self.model.t_c
+            t += self.prefill_cost(extra) + self.model.t_c
         return t
+
+
+def best_cached(req: Request, replicas: Sequence[ReplicaView], now: float, max_age: float) -> int:
+    """The most prompt tokens of `req` any replica holds: what its prefill costs where it can go
+    best. Refreshed at most every `max_age` s (caches change slowly; a lookup per replica per
+    decision would cost a queue of thousands milliseconds)."""
+    if not req.prefix:
+        return 0
+    if now - req.best_cached_at >= max_age:
+        req.best_cached = max((p.cached_tokens(req) for p in replicas if p.cache is not None), default=0)
+        req.best_cached_at = now
+    return req.best_cached
 
 
 def fleet_speed(replicas: Sequence[ReplicaView]) -> tuple[list[ReplicaView], BatchLatencyModel, float]:

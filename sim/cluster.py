@@ -19,6 +19,7 @@ from predictors.pattern_graph import PatternStore, StageNode
 from router.capacity import CapacityLearner, learned_budget
 from router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from router.latency import BatchLatencyModel, LatencyCoeffs
+from router.prefix import PrefixCache
 from router.request import SLO, Request, Tier, Workflow
 from router.scheduler import Scheduler
 from router.view import ReplicaView
@@ -38,6 +39,7 @@ class EngineConfig:
     speed_factors: list[float] | None = None  # per-replica slowdown (heterogeneous fleet)
     learn_budget: bool = False  # the live gateway's learned budgets (router/capacity.py), `budget` the cap
     capacity_margin: float = 0.85
+    prefix_index: bool = True  # the gateway tracks where each replica's prefix cache is (prefix workloads)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class SimResult:
     decisions: int
     horizon_hit: bool
     budget_samples: list[int] = field(default_factory=list)  # the fleet's learned budget, once per update
+    prefix_hits: int = 0  # prompt tokens the engines found in their prefix caches
+    prefix_queries: int = 0
 
 
 class ClusterSim:
@@ -99,6 +103,10 @@ class ClusterSim:
         ]
         # The gateway's estimator starts from the nominal profile and learns β online.
         self.views = [ReplicaView(i, BatchLatencyModel(engine.coeffs), budget=engine.budget) for i in range(n_replicas)]
+        if engine.prefix_index and workload.tokens_per_block:
+            blocks = max(int(engine.kv_capacity_tokens // workload.tokens_per_block), 1)
+            for v in self.views:
+                v.cache = PrefixCache(blocks)
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
         self.learners = ([CapacityLearner(engine.budget, margin=engine.capacity_margin) for _ in range(n_replicas)]
@@ -161,6 +169,8 @@ class ClusterSim:
             decisions=self.decisions,
             horizon_hit=horizon_hit,
             budget_samples=self.budget_samples,
+            prefix_hits=sum(e.prefix_hits for e in self.engines),
+            prefix_queries=sum(e.prefix_queries for e in self.engines),
         )
 
     # -- arrivals --------------------------------------------------------------------------------
@@ -170,7 +180,8 @@ class ClusterSim:
                 self._start_workflow(item)
                 return
             assert item.slo is not None
-            req = Request(next(self._rid), self.now, item.input_tokens, item.slo, tier=item.tier, tenant=item.tier.name)
+            req = Request(next(self._rid), self.now, item.input_tokens, item.slo, tier=item.tier, tenant=item.tier.name,
+                          prefix=item.prefix, tokens_per_block=self.wl.tokens_per_block)
             self._admit(req, item.output_tokens)
         else:
             run, call = item

@@ -8,6 +8,11 @@ needs a block and none is free, the most recently admitted sequence is preempted
 recomputed later (vLLM's recompute preemption). Step time comes from the batch latency
 model with the replica's true coefficients; a token is emitted at the end of the step in
 which a sequence finishes its prefill or decodes.
+
+Automatic prefix caching as vLLM does it: a prompt's full blocks stay cached (LRU, up to the
+KV capacity) once computed, and a sequence admitted later starts its prefill after the longest
+cached prefix of its prompt (`Request.prefix`: chained block hashes). Its hits and queries are
+counted in prompt tokens, like vLLM's `prefix_cache_hits` / `prefix_cache_queries`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from router.latency import BatchLatencyModel
+from router.prefix import PrefixCache, hit_tokens
 from router.request import Request
 
 BLOCK = 16
@@ -29,6 +35,7 @@ class Seq:
     blocks: int = 0
     admitted_at: float = 0.0
     active: bool = True  # False once aborted; a step in flight then skips it
+    cached_in: bool = False  # its prompt's blocks are in the prefix cache
 
     @property
     def target(self) -> int:
@@ -55,6 +62,10 @@ class EngineSim:
         self.running: list[Seq] = []
         self.busy = False
         self.preemptions = 0
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.prefix_cache: PrefixCache | None = None  # made on the first prompt with block hashes
+        self.prefix_hits = 0  # prompt tokens found cached at admission
+        self.prefix_queries = 0  # prompt tokens looked up
         self._step: list[tuple[Seq, int]] = []  # (seq, tokens scheduled) for the step in flight
 
     # -- admission / abort ------------------------------------------------------------------
@@ -89,6 +100,15 @@ class EngineSim:
         self.free_blocks -= need
         s.blocks += need
         return True
+
+    def _lookup(self, s: Seq) -> None:
+        """A sequence starting from nothing: its cached prompt prefix needs no prefill."""
+        req = s.req
+        if not req.prefix:
+            return
+        if self.prefix_cache is None:
+            self.prefix_cache = PrefixCache(max(int(self.kv_capacity_tokens // max(req.tokens_per_block, 1.0)), 1))
+        s.computed = hit_tokens(self.prefix_cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
 
     def _preempt_last(self) -> Seq | None:
         victim = self.running.pop()
@@ -125,9 +145,16 @@ class EngineSim:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
+            fresh = s.computed == 0
+            if fresh:
+                self._lookup(s)
             n = min(s.target - s.computed, budget)
             if not self._grow(s, n):
+                s.computed = 0
                 break
+            if fresh and s.req.prefix:
+                self.prefix_queries += s.req.input_tokens
+                self.prefix_hits += s.computed
             self.waiting.popleft()
             s.admitted_at = now
             self.running.append(s)
@@ -148,6 +175,9 @@ class EngineSim:
             if not s.active:
                 continue  # aborted while the step ran
             s.computed += n
+            if not s.cached_in and s.computed >= s.req.input_tokens and s.req.prefix and self.prefix_cache is not None:
+                self.prefix_cache.insert(s.req.prefix)
+                s.cached_in = True
             if s.computed >= s.target:
                 emitted.append(s)
         self._step = []

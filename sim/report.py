@@ -38,5 +38,6 @@ def result_row(res: SimResult) -> dict[str, Any]:
         "engine_preemptions": res.engine_preemptions,
         "by_tier": {k: {"attained": b.attained / b.units if b.units else None, "token_goodput": b.token_goodput / res.span_s} for k, b in sorted(acc.by_tier.items())},
         "horizon_hit": res.horizon_hit,
+        "prefix_hit_rate": res.prefix_hits / res.prefix_queries if res.prefix_queries else None,
         "budget_p50": _pct(array("d", res.budget_samples), 50) if res.budget_samples else None,  # learned budgets only
     }

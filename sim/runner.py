@@ -38,6 +38,9 @@ class SimConfig:
     predictor_model: str | None = None  # for predictor "qrf": a `slogate train-predictor` file
     prompts: str | None = None  # for "qrf": comma-separated prompts_*.jsonl to pair requests with
     stage_estimate: str | None = None  # uniform | pattern | oracle; default: oracle with the oracle predictor, else pattern
+    tokens_per_id: int = 512  # prefix traces: prompt tokens per block hash id
+    prefix_index: bool = True  # the gateway's prefix index (prefix traces)
+    kv_capacity_tokens: int = 400_000  # each engine's KV cache (and so its prefix cache)
 
     def prompt_files(self) -> list[str]:
         """Explicit --prompts, else every prompts_*.jsonl beside the trace."""
@@ -61,7 +64,8 @@ class Experiment:
         if cfg.profile not in PROFILES:
             raise ValueError(f"unknown profile {cfg.profile!r}; known: {', '.join(PROFILES)}")
         self.cfg = cfg
-        self.rows = load_trace(cfg.trace)
+        self.rows = load_trace(cfg.trace, cfg.tokens_per_id)
+        self.tokens_per_block = float(cfg.tokens_per_id) if any(r.prefix for r in self.rows[:100]) else 0.0
         self.workflows = load_workflows(cfg.workflows) if cfg.workflows else None
         self.mix = parse_weights(cfg.mix)
         self.tiers = parse_tiers(cfg.tiers)
@@ -80,17 +84,27 @@ class Experiment:
 
     def workload(self):  # type: ignore[no-untyped-def]
         c = self.cfg
-        return build_workload(self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed)
+        return build_workload(self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed,
+                              tokens_per_block=self.tokens_per_block)
 
     def run(self, combo: str) -> dict[str, Any]:
-        parse_combo(combo)
+        """`combo` is ORDERING+PLACEMENT, optionally with `@BUDGET` (e.g. `fcfs+cache-aware@256`: a
+        peer router that forwards everything, so only the engines queue) and `-noindex` on the
+        placement (the gateway without its prefix index)."""
         c = self.cfg
+        combo, _, b = combo.partition("@")
+        index = c.prefix_index and not combo.endswith("-noindex")
+        combo = combo.removesuffix("-noindex")
+        parse_combo(combo)
         wl = self.workload()
         est = self._qrf(c.seed) if self._qrf else make_estimator(c.predictor, wl.output_lengths, c.seed)
-        engine = EngineConfig(PROFILES[c.profile], budget=c.budget, max_batched_tokens=c.max_batched_tokens, learn_budget=c.learn_budget)
+        engine = EngineConfig(PROFILES[c.profile], budget=int(b) if b else c.budget, max_batched_tokens=c.max_batched_tokens,
+                              learn_budget=c.learn_budget, prefix_index=index, kv_capacity_tokens=c.kv_capacity_tokens)
         sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=c.seed), est, engine, n_replicas=c.replicas, frame_s=c.frame_s,
                          stage_estimate=c.stage_estimate or ("oracle" if c.predictor == "oracle" else "pattern"))
         row = result_row(sim.run())
+        if b or not index:
+            row["name"] = f"{row['name']}{'-noindex' if not index else ''}{'@' + b if b else ''}"
         row["requests"] = wl.n_requests
         key = (c.rate_scale, c.slo_scale, c.duration_s, c.max_requests)  # the workload's, not the policy's
         if key not in self._bound:

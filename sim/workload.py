@@ -29,6 +29,7 @@ class TraceRow:
     arrival: float
     input_tokens: int
     output_tokens: int
+    prefix: tuple[int, ...] = ()  # chained block hashes of the prompt (prefix traces)
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class Job:
     slo: SLO | None = None  # single requests
     input_tokens: int = 0
     output_tokens: int = 0
+    prefix: tuple[int, ...] = ()
     workflow: WorkflowSpec | None = None
     wf_deadline_s: float = 0.0
 
@@ -82,15 +84,36 @@ class Workload:
     output_lengths: list[int] = field(default_factory=list)  # for the trace-mean predictor
     median_stages: float = 1.0
     workflow_specs: list[WorkflowSpec] = field(default_factory=list)  # the history pattern matching draws on
+    tokens_per_block: float = 0.0  # prompt tokens one prefix block stands for (prefix traces)
 
     @property
     def n_requests(self) -> int:
         return sum(len(j.workflow.calls) if j.workflow else 1 for j in self.jobs)
 
 
-def load_trace(path: str | Path) -> list[TraceRow]:
+MOONCAKE_BLOCK = 512  # tokens per hash id in trace_mooncake_conversation_prefix.jsonl
+
+
+def load_trace(path: str | Path, tokens_per_id: int = MOONCAKE_BLOCK) -> list[TraceRow]:
+    """A `trace_*.csv`, or a prefix trace (`*.jsonl`: timestamp ms, input_length, output_length,
+    hash_ids of 512-token blocks) with each id scaled to `tokens_per_id` tokens, structure kept."""
+    if str(path).endswith(".jsonl"):
+        return load_prefix_trace(path, tokens_per_id)
     with open(path, newline="") as f:
         return [TraceRow(float(r["arrival_s"]), int(r["input_tokens"]), max(int(r["output_tokens"]), 1)) for r in csv.DictReader(f)]
+
+
+def load_prefix_trace(path: str | Path, tokens_per_id: int = MOONCAKE_BLOCK) -> list[TraceRow]:
+    scale = tokens_per_id / MOONCAKE_BLOCK
+    out = []
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            ids = tuple(int(h) for h in r["hash_ids"])
+            n_in = max(round(int(r["input_length"]) * scale), 1)
+            out.append(TraceRow(float(r["timestamp"]) / 1000.0, n_in, max(int(r["output_length"]), 1), ids))
+    out.sort(key=lambda row: row.arrival)
+    return out
 
 
 def load_workflows(path: str | Path) -> list[WorkflowSpec]:
@@ -154,6 +177,7 @@ def build_workload(
     duration_s: float | None = None,
     max_requests: int | None = None,
     seed: int = 0,
+    tokens_per_block: float = 0.0,
 ) -> Workload:
     rng = random.Random(seed)
     kinds = [SLOClass(k) for k, w in mix.items() if w > 0]
@@ -162,7 +186,7 @@ def build_workload(
         raise ValueError("the mix has compound requests but no --workflows file was given")
     tier_list, tier_w = [t for t, _ in tiers], [s for _, s in tiers]
     calls_per_wf = sum(len(w.calls) for w in workflows) / len(workflows) if workflows else 1.0
-    wl = Workload()
+    wl = Workload(tokens_per_block=tokens_per_block)
     if workflows:
         stages = sorted(w.n_stages for w in workflows)
         wl.median_stages = float(stages[len(stages) // 2])
@@ -194,7 +218,7 @@ def build_workload(
             slo = SLO.deadline(DEFAULT_DEADLINE_S * slo_scale)
         else:
             slo = SLO.best_effort(BEST_EFFORT_DEADLINE_S)
-        wl.jobs.append(Job(at, kind, tier, slo=slo, input_tokens=row.input_tokens, output_tokens=row.output_tokens))
+        wl.jobs.append(Job(at, kind, tier, slo=slo, input_tokens=row.input_tokens, output_tokens=row.output_tokens, prefix=row.prefix))
         n_calls += 1
     wl.span_s = max((j.arrival for j in wl.jobs), default=0.0)
     return wl

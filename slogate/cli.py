@@ -29,7 +29,7 @@ def _floats(spec: str) -> list[float]:
 
 @app.command()
 def simulate(
-    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="trace_*.csv: arrival_s,input_tokens,output_tokens")],
+    trace: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="trace_*.csv: arrival_s,input_tokens,output_tokens; or a prefix trace *.jsonl with hash_ids")],
     workflows: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="workflows_*.jsonl for compound requests")] = None,
     mix: Annotated[str, typer.Option(help="SLO class mix, e.g. latency=1,deadline=1,compound=1,best_effort=0")] = "latency=1,deadline=1,compound=1",
     tiers: Annotated[str, typer.Option(help="tiers as NAME=WEIGHT:SHARE,...")] = "high=2:0.5,low=1:0.5",
@@ -38,13 +38,15 @@ def simulate(
     rate_scale: Annotated[str, typer.Option(help="arrival-rate multiplier(s), comma-separated for a load sweep")] = "1.0",
     duration_s: Annotated[float | None, typer.Option(help="only arrivals in the first S seconds (after scaling)")] = None,
     max_requests: Annotated[int | None, typer.Option(help="stop after this many LLM calls")] = None,
-    policies: Annotated[str, typer.Option(help="ORDERING+PLACEMENT,... e.g. gmax+gorouting,fcfs+least-load")] = "gmax+gorouting,fcfs+least-load",
+    policies: Annotated[str, typer.Option(help="ORDERING+PLACEMENT[-noindex][@BUDGET],... e.g. gmax+gorouting,fcfs+cache-aware@256")] = "gmax+gorouting,fcfs+least-load",
     predictor: Annotated[str, typer.Option(help="oracle | noisy | mean | qrf")] = "mean",
     predictor_model: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="for --predictor qrf: a train-predictor model file")] = None,
     prompts: Annotated[str | None, typer.Option(help="for qrf: prompts_*.jsonl to pair requests with (default: those beside the trace)")] = None,
     stage_estimate: Annotated[str | None, typer.Option(help="workflow sub-deadlines: uniform | pattern | oracle (default: pattern; oracle with --predictor oracle)")] = None,
     budget: Annotated[int, typer.Option(min=1, help="gateway's per-replica concurrency budget")] = 48,
     learn_budget: Annotated[bool, typer.Option(help="learn each replica's budget online as `slogate serve` does (--budget: the cap)")] = False,
+    tokens_per_id: Annotated[int, typer.Option(min=1, help="prefix traces: prompt tokens per block hash id (the trace's own: 512)")] = 512,
+    kv_capacity_tokens: Annotated[int, typer.Option(min=1, help="each engine's KV cache in tokens (bounds its prefix cache)")] = 400_000,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="write results JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG of token goodput vs load")] = None,
@@ -56,13 +58,13 @@ def simulate(
     combos = [c.strip() for c in policies.split(",") if c.strip()]
     try:
         for c in combos:
-            parse_combo(c)
+            parse_combo(c.partition("@")[0].removesuffix("-noindex"))
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--policies") from e
     scales = _floats(rate_scale)
     cfg = SimConfig(str(trace), str(workflows) if workflows else None, mix, tiers, slo_scale, replicas, scales[0], duration_s, max_requests, predictor, seed, budget=budget,
                     learn_budget=learn_budget, predictor_model=str(predictor_model) if predictor_model else None, prompts=prompts,
-                    stage_estimate=stage_estimate)
+                    stage_estimate=stage_estimate, tokens_per_id=tokens_per_id, kv_capacity_tokens=kv_capacity_tokens)
     try:
         exp = Experiment(cfg)
     except ValueError as e:
@@ -100,14 +102,14 @@ def _fmt(v: Any, pct: bool = False) -> str:
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
     t = Table(title="slogate simulate")
-    for col in ("load", "policy", "token goodput/s", "req goodput/s", "TDG", "att latency", "att deadline", "att compound", "att all", "TTFT p50", "TBT p95", "shed", "preempt"):
+    for col in ("load", "policy", "token goodput/s", "req goodput/s", "TDG", "att latency", "att deadline", "att compound", "att all", "TTFT p50", "TBT p95", "shed", "preempt", "prefix hit"):
         t.add_column(col, justify="right" if col != "policy" else "left")
     for r in rows:
         a = r["slo_attainment"]
         t.add_row(
             f"x{r['rate_scale']:g}", r["name"], _fmt(r["token_goodput"]), _fmt(r["request_goodput"]), _fmt(r["tdg_ratio"], True),
             _fmt(a.get("latency"), True), _fmt(a.get("deadline"), True), _fmt(a.get("compound"), True), _fmt(a.get("all"), True),
-            _fmt(r["ttft_p50"]), _fmt(r["tbt_p95"]), str(r["shed"]), str(r["preempted"]),
+            _fmt(r["ttft_p50"]), _fmt(r["tbt_p95"]), str(r["shed"]), str(r["preempted"]), _fmt(r.get("prefix_hit_rate"), True),
         )
     Console(width=220).print(t)
 

@@ -56,16 +56,17 @@ class GoRouting(PlacementPolicy):
         done = self._done_in(now, p, work, min(budgets))
         return sum(val for val, b in zip(values, budgets, strict=True) if done <= b)
 
-    def gains(self, now: float, p: ReplicaView, req: Request) -> tuple[float, float]:
+    def gains(self, now: float, p: ReplicaView, req: Request, cached: int | None = None) -> tuple[float, float]:
         """(pre_gain, post_gain): TDG value of queued requests whose first token fits, without
-        and with `req` — the queue's budgets and values are computed once for both."""
+        and with `req` — the queue's budgets and values are computed once for both. `req` adds
+        only the prefill its prompt's cached prefix on p (`cached` tokens) does not save."""
         v = p.token_time(0)
         queue = list(p.prefill_queue.values())
         budgets = [first_token_budget(r, now, v) for r in queue]
         values = [self._value(r) for r in queue]
         work = p.model.beta_p * p.prefill_raw
         pre = self._fitting_value(now, p, work, budgets, values)
-        post_work = work + p.model.prefill_time(req.context_tokens)
+        post_work = work + p.prefill_cost(req, cached)
         post = self._fitting_value(now, p, post_work, [*budgets, first_token_budget(req, now, v)], [*values, self._value(req)])
         return pre, post
 
@@ -78,14 +79,22 @@ class GoRouting(PlacementPolicy):
     def _choose(self, now: float, req: Request, pool: Sequence[ReplicaView]) -> ReplicaView | None:
         if not pool:
             return None
-        deltas = []
+        deltas, hits = [], []
         for p in pool:
-            pre, post = self.gains(now, p, req)
+            c = p.cached_tokens(req)
+            pre, post = self.gains(now, p, req, c)
             deltas.append(post - pre)
+            hits.append(c)
         d_max = max(deltas)
-        if d_max <= 0:
-            return self.argmin_random_ties(pool, lambda p: p.estimate_exec(now))
+        if d_max <= 0:  # nobody meets it: the earliest first token, its cached prefix counted
+            return self.argmin_random_ties(pool, lambda p: p.estimate_exec(now, req))
         cands = [p for p, d in zip(pool, deltas, strict=True) if d >= self.alpha * d_max]
+        # Among replicas where the goodput arithmetic finds it (nearly) as good, the one holding
+        # most of its prompt: the prefill it saves is bandwidth every later request gets. The
+        # holder drops out of the candidates once its queue would break someone's SLO.
+        best_hit = max((c for p, c in zip(pool, hits, strict=True) if p in cands), default=0)
+        if best_hit > 0:
+            cands = [p for p, c in zip(pool, hits, strict=True) if c == best_hit and p in cands]
         slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
         light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
         if light:

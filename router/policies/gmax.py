@@ -27,7 +27,7 @@ import numpy as np
 
 from router.policies.base import OrderingPolicy, Selection
 from router.request import BEST_EFFORT_CODE, LATENCY_CODE, N_STATIC, Request, SLOClass
-from router.view import ReplicaView, fleet_speed
+from router.view import ReplicaView, best_cached, fleet_speed
 
 _STATIC = attrgetter("static")
 _DYNAMIC = attrgetter("arrival", "input_tokens", "generated", "len_bound")
@@ -129,7 +129,11 @@ class GMAX(OrderingPolicy):
         L = np.minimum(np.maximum(bound, 1.0), np.maximum(cap - gen, 0.0))
         wf_tokens = np.fromiter((r.workflow.tokens_done if r.workflow is not None else 0 for r in reqs), dtype=np.float64, count=n)
         c = model.coeffs
-        pf = model.beta_p * (c.a_p * ctx * ctx + c.c_p * ctx) + model.t_c
+        # Prefill of what the best replica's prefix cache does not hold (its attention over the
+        # cached part still costs): a long conversation whose history is cached is cheap.
+        hit = np.fromiter((best_cached(r, replicas, now, self.frame_s) for r in reqs), dtype=np.float64, count=n)
+        new = ctx - np.minimum(hit, ctx)
+        pf = model.beta_p * (c.a_p * new * new + c.b_p * new * hit + c.c_p * new) + model.t_c
         t_gen = pf + L * v
         is_lat = kind == LATENCY_CODE
         # Latency: tokens i ≥ i0 can still meet arrival + TTFT + i·TBT when decoding at v.

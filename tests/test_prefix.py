@@ -1,0 +1,168 @@
+"""Prefix-cache awareness in the decision core: the index, the latency estimate, the placements
+and the simulated engine's cache."""
+
+import pytest
+
+from router.latency import PROFILES, BatchLatencyModel
+from router.placement import CacheAware, GoRouting, PrefixScore, SessionHash
+from router.policies import GMAX
+from router.prefix import PrefixCache, hit_tokens, rendezvous, text_block_hashes
+from router.request import SLO, Request
+from sim.engine import EngineSim, Seq
+from tests.helpers import req, view
+
+TPB = 512.0  # tokens per block in these tests (Mooncake's)
+
+
+def preq(rid: int, blocks: tuple[int, ...], inp: int | None = None, slo: SLO | None = None) -> Request:
+    r = req(rid, inp=inp or int(len(blocks) * TPB), slo=slo or SLO.latency(2.0, 0.1))
+    r.prefix, r.tokens_per_block = blocks, TPB
+    return r
+
+
+def cached_view(rid: int, blocks: int = 1000, budget: int = 16):
+    v = view(rid, budget=budget)
+    v.cache = PrefixCache(blocks)
+    return v
+
+
+def test_text_hashes_are_chained_stable_and_full_blocks_only():
+    a = text_block_hashes("x" * 300 + "tail", 128)
+    assert len(a) == 2  # 304 chars: two full blocks of 128, the partial third left out
+    assert a == text_block_hashes("x" * 300 + "tail", 128)  # deterministic (shared across gateways)
+    b = text_block_hashes("y" + "x" * 299, 128)
+    assert a[1] != b[1] and a[0] != b[0]  # a block's hash covers everything before it
+    c = text_block_hashes("x" * 256 + "different ending here", 128)
+    assert c[:2] == a[:2]  # same first 256 chars: same first two hashes
+
+
+def test_index_finds_hits_after_a_dispatch_and_evicts_least_recent_first():
+    v = cached_view(0, blocks=6)
+    first = preq(1, (1, 2, 3, 4))
+    assert v.cached_tokens(first) == 0
+    v.claim(first, 0.0)
+    follow = preq(2, (1, 2, 3, 4, 5))
+    assert v.cached_tokens(follow) == 4 * 512  # the whole earlier prompt
+    v.claim(follow, 0.1)
+    other = preq(3, (7, 8, 9))  # 5 + 3 blocks > capacity 6: the oldest tail goes first
+    v.claim(other, 0.2)
+    assert len(v.cache) == 6
+    assert v.cache.match((1, 2, 3, 4, 5)) == 3  # the head of the conversation outlives its tail
+    assert v.cache.match((7, 8, 9)) == 3
+
+
+def test_hit_never_covers_the_last_prompt_token():
+    assert hit_tokens(4, 512.0, 2048) == 2047
+    assert hit_tokens(0, 512.0, 2048) == 0
+
+
+def test_cached_request_predicted_faster_and_queued_work_counts_only_the_uncached_part():
+    holder, cold = cached_view(0), cached_view(1)
+    holder.cache.insert(tuple(range(16)))
+    r = preq(1, (*tuple(range(16)), 99))
+    assert holder.prefill_cost(r) < 0.5 * cold.prefill_cost(r)
+    assert holder.estimate_exec(0.0, r) < cold.estimate_exec(0.0, r)
+    holder.claim(r, 0.0)
+    cold.claim(preq(2, tuple(range(100, 117))), 0.0)
+    assert holder.prefill_raw < 0.5 * cold.prefill_raw
+    holder.first_token(r, 0.05)
+    assert holder.prefill_raw == 0.0
+
+
+def test_gorouting_prefers_the_cache_holder_until_its_queue_would_break_the_slo():
+    conv = tuple(range(12))
+    holder, other = cached_view(0), cached_view(1)
+    holder.cache.insert(conv)
+    gr = GoRouting()
+    # Both idle: the holder, though the other replica is just as free.
+    assert gr.place(0.0, preq(1, (*conv, 50)), [other, holder]) is holder
+    # A little queued work on the holder: still the holder (it still meets the 2 s TTFT).
+    holder.claim(preq(2, (200, 201, 202)), 0.0)
+    assert gr.place(0.0, preq(3, (*conv, 51)), [other, holder]) is holder
+    # Enough queued on the holder that the request (or those queued) would miss their TTFT:
+    # the other replica, cache or not.
+    for k in range(8):
+        holder.claim(preq(10 + k, tuple(range(300 + 20 * k, 320 + 20 * k))), 0.0)
+    assert gr.place(0.0, preq(4, (*conv, 52)), [other, holder]) is other
+
+
+def test_gmax_prices_a_cached_conversation_as_cheap():
+    conv = tuple(range(60))  # a 30k-token conversation
+    v = cached_view(0)
+    g = GMAX(seed=0)
+    r = preq(1, (*conv, 999), slo=SLO.deadline(3.0))
+    _, _good_cold, t_cold, expired_cold, _ = g.estimate(0.0, [r], [v])
+    assert expired_cold[0]  # its full prefill alone (about 4 s) misses a 3 s deadline
+    v.cache.insert(conv)
+    r.best_cached_at = float("-inf")
+    _, good, t_gen, expired, _ = g.estimate(0.0, [r], [v])
+    assert not expired[0] and good[0] > 0 and t_gen[0] < 0.3 * t_cold[0]
+
+
+def test_cache_aware_follows_its_record_until_the_fleet_is_imbalanced():
+    a, b = cached_view(0, budget=200), cached_view(1, budget=200)
+    ca = CacheAware(seed=0)
+    conv = tuple(range(10))
+    first = ca.place(0.0, preq(1, conv), [a, b])
+    assert first is not None
+    for k in range(5):
+        assert ca.place(0.0, preq(2 + k, (*conv, 100 + k)), [a, b]) is first
+    # The holder has 70 more in flight than the other, 1.5x as many: least load wins.
+    for k in range(70):
+        first.claim(preq(1000 + k, (5000 + k,)), 0.0)
+    assert ca.place(0.0, preq(9, (*conv, 200)), [a, b]) is not first
+
+
+def test_cache_aware_sends_a_new_prompt_to_the_smallest_record():
+    a, b = cached_view(0), cached_view(1)
+    ca = CacheAware(seed=0)
+    ca.record(a).insert(tuple(range(1000, 1050)))
+    assert ca.place(0.0, preq(1, (1, 2, 3)), [a, b]) is b
+
+
+def test_prefix_score_weighs_match_against_queue():
+    a, b = cached_view(0), cached_view(1)
+    ps = PrefixScore(seed=0)
+    conv = tuple(range(8))
+    ps.record(a).insert(conv)
+    assert ps.place(0.0, preq(1, (*conv, 9)), [a, b]) is a
+    for k in range(6):  # a deep queue on a: its queue score drops to 0, b's prefix score is 0
+        a.claim(preq(100 + k, (7000 + k,)), 0.0)
+    ps2 = PrefixScore(w_prefix=1.0, seed=0)
+    ps2.record(a).insert(conv)
+    assert ps2.place(0.0, preq(2, (*conv, 10)), [a, b]) is b
+
+
+def test_session_hash_is_sticky_and_moves_little_when_a_replica_leaves():
+    views = [cached_view(i) for i in range(4)]
+    sh = SessionHash()
+    keys = [(k, 10_000 + k, 3) for k in range(200)]
+    before = {k: sh.place(0.0, preq(k[1], k), views).rid for k in keys}
+    assert before == {k: sh.place(0.0, preq(k[1], k), views).rid for k in keys}
+    assert len(set(before.values())) == 4
+    views[2].healthy = False
+    after = {k: sh.place(0.0, preq(k[1], k), views).rid for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == 2 for k in moved)  # only the departed replica's sessions move
+    assert rendezvous(5, [1, 2, 3]) == rendezvous(5, [3, 2, 1])
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_simulated_engine_skips_the_cached_prefill(reuse):
+    model = BatchLatencyModel(PROFILES["llama3.1-8b@a100-80g"])
+    eng = EngineSim(0, model, max_batched_tokens=100_000)
+    conv = tuple(range(20))
+
+    def run(r: Request) -> float:
+        eng.add(Seq(r, 2))
+        return eng.start_step(0.0) or 0.0
+
+    t_first = run(preq(1, conv))
+    eng.finish_step()
+    t_second = run(preq(2, (*conv, 77) if reuse else tuple(range(500, 521))))
+    if reuse:
+        assert t_second < 0.5 * t_first
+        assert eng.prefix_hits == 20 * 512  # the whole first prompt, counted as vLLM counts it
+    else:
+        assert t_second > 0.9 * t_first and eng.prefix_hits == 0
+    assert eng.prefix_queries == 20 * 512 + 21 * 512
