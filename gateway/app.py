@@ -21,8 +21,10 @@ import contextlib
 import json
 import logging
 import math
+import re
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,7 @@ from predictors.online import OnlineLengthPredictor
 from router.capacity import CapacityLearner, learned_budget
 from router.goodput import RequestLedger
 from router.latency import PROFILES, BatchLatencyModel
+from router.prefix import PrefixCache, text_block_hashes
 from router.registry import make_ordering, make_placement
 from router.request import Request as CoreRequest
 from router.request import SLOClass
@@ -79,16 +82,25 @@ class Backend:
 KV_FULL = 0.97  # vLLM's KV-cache use at which no more requests are sent there
 
 
-def _engine_gauges(text: str) -> tuple[float | None, float | None]:
-    """(running + waiting, KV-cache use) from vLLM's Prometheus text, summed over its models."""
+_CACHE_INFO = re.compile(r'(block_size|num_gpu_blocks)="(\d+)"')
+
+
+def _engine_gauges(text: str) -> tuple[float | None, float | None, int | None]:
+    """(running + waiting, KV-cache use, KV-cache size in tokens) from vLLM's Prometheus text,
+    summed over its models."""
     held: float | None = None
     kv: float | None = None
+    size: int | None = None
     for line in text.splitlines():
         if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
             held = (held or 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
             kv = max(kv or 0.0, float(line.rsplit(" ", 1)[1]))
-    return held, kv
+        elif line.startswith("vllm:cache_config_info{"):
+            info = dict(_CACHE_INFO.findall(line))
+            if "block_size" in info and "num_gpu_blocks" in info:
+                size = int(info["block_size"]) * int(info["num_gpu_blocks"])
+    return held, kv, size
 
 
 class _Retryable(Exception):
@@ -118,6 +130,11 @@ class Gateway:
         self.backends = [Backend(b, ReplicaView(i, BatchLatencyModel(coeffs), budget=b.budget), b.name or b.url, set(b.models),
                                  learner=CapacityLearner(b.budget, margin=cfg.capacity.margin) if cfg.capacity.learn else None)
                          for i, b in enumerate(cfg.backends)]
+        pc = cfg.prefix
+        self.prefix_chars = pc.block_chars if pc.enabled else 0
+        if pc.enabled:
+            for b in self.backends:
+                b.view.cache = PrefixCache(self._cache_blocks(b.cfg.kv_cache_tokens or pc.kv_tokens))
         self.predictor = predictor
         self.groups: dict[str, Admission] = {}
         self.client: aiohttp.ClientSession | None = None
@@ -225,7 +242,9 @@ class Gateway:
                 text = await r.text()
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return
-        held, kv = _engine_gauges(text)
+        held, kv, size = _engine_gauges(text)
+        if size and b.view.cache is not None and b.cfg.kv_cache_tokens is None:
+            b.view.cache.capacity = self._cache_blocks(size)
         if held is not None:
             now_ext = max(0.0, held - b.view.inflight)
             b.external = 0.5 * b.external + 0.5 * now_ext  # smoothed: our counts and its scrape are not simultaneous
@@ -408,6 +427,10 @@ class Gateway:
             except Exception:
                 log.exception("state sync failed")
 
+    def _cache_blocks(self, kv_tokens: int) -> int:
+        """A KV cache of `kv_tokens` in prompt blocks (4 characters a token)."""
+        return max(int(kv_tokens * 4 // max(self.cfg.prefix.block_chars, 1)), 1)
+
     @staticmethod
     def _auth(b: Backend) -> dict[str, str]:
         return {"authorization": f"Bearer {b.cfg.api_key}"} if b.cfg.api_key else {}
@@ -440,6 +463,12 @@ class Gateway:
                           max_tokens=max_tokens, workflow=res.workflow, stage=res.stage)
         if prompt is None:
             req.len_bound = req.len_mean = 1.0
+        elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:
+            req.prefix = text_block_hashes(prompt.text, self.prefix_chars)
+            req.tokens_per_block = self.prefix_chars * n_in / len(prompt.text)
+            sess = request.headers.get("x-session-id") or body.get("user")
+            if isinstance(sess, str) and sess:
+                req.session = zlib.crc32(sess.encode()) or 1
         labels = (model, res.tier.name, res.slo.kind.value)
         stream = bool(body.get("stream"))
         overhead = time.perf_counter() - t_recv
@@ -472,6 +501,11 @@ class Gateway:
                 self.metrics.requests.labels(*labels, "failed").inc()
                 raise
             self.metrics.overhead.observe(overhead)  # parse, validate, resolve: queue and upstream time excluded
+            if ticket.replica is not None and prompt is not None:
+                bname = self.backends[ticket.replica].name
+                self.metrics.prompt_tokens.labels(bname).inc(req.input_tokens)
+                if req.cached:
+                    self.metrics.prefix_cached.labels(bname).inc(req.cached)
             if resp.status >= 400:  # the engine refused it (4xx): pass its answer on, in the OpenAI shape
                 try:
                     content = as_openai_error(await resp.read(), resp.status)

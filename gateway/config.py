@@ -42,6 +42,8 @@ class BackendConfig(_Strict):
     priority_scheduling: bool = Field(False, description="The engine runs with `--scheduling-policy priority`: the request's tier is passed as `priority`.")
     name: str | None = Field(None, description="Label in metrics and logs; default: host:port.")
     api_key: str | None = Field(None, description="Sent upstream as a bearer token (hosted OpenAI-compatible APIs).")
+    kv_cache_tokens: int | None = Field(None, ge=1, description="The replica's KV cache in tokens (bounds the gateway's picture of its prefix cache); "
+                                        "default: read from vLLM's /metrics (`vllm:cache_config_info`), else `prefix.kv_tokens`.")
 
     @field_validator("url")
     @classmethod
@@ -117,6 +119,15 @@ class CapacityConfig(_Strict):
                                  "each health check: traffic that bypasses the gateway takes from the budget; a full KV cache stops admission.")
 
 
+class PrefixConfig(_Strict):
+    """Where each replica's prefix cache is (router/prefix.py), learned from what was sent where."""
+
+    enabled: bool = Field(True, description="Track each replica's prefix cache: placement and the latency model count only the part of a prompt "
+                          "the replica does not already hold.")
+    block_chars: int = Field(128, ge=16, le=65_536, description="Prompt characters per block (about 32 tokens of English); hits count whole blocks.")
+    kv_tokens: int = Field(100_000, ge=1, description="A replica's KV cache in tokens where neither `backends[].kv_cache_tokens` nor its /metrics says.")
+
+
 class KeyConfig(_Strict):
     """One API key, stored as the SHA-256 hex of the key (the key itself never is)."""
 
@@ -173,6 +184,7 @@ class GatewayConfig(_Strict):
     health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")
     shutdown_grace_s: float = Field(30.0, gt=0, description="On SIGTERM, requests in flight get this long to finish before they are cut, s.")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Learned per-replica budgets.")
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="Prefix-cache-aware placement.")
     state: StateConfig = Field(default_factory=StateConfig, description="Where per-replica load is kept.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
 
@@ -210,13 +222,14 @@ CLI_FLAGS: dict[str, tuple[str, str]] = {
     "--deadline-ms MS": ("slo.default.deadline_ms", "default deadline of a whole answer"),
     "--waiting-ms MS": ("slo.default.waiting_ms", "default longest wait for admission"),
     "--redis-url URL": ("state.url", "share per-replica state through this Redis (sets `state.kind: redis`)"),
+    "--prefix-index / --no-prefix-index": ("prefix.enabled", "place by where each replica's prefix cache is"),
 }
 
 
 def apply_flags(cfg: GatewayConfig, *, backends: list[str] | None = None, ordering: str | None = None, placement: str | None = None,
                 budget: int | None = None, learn_budget: bool | None = None, pacing: bool | None = None, ttft_ms: float | None = None,
                 tbt_ms: float | None = None, deadline_ms: float | None = None, waiting_ms: float | None = None,
-                redis_url: str | None = None) -> GatewayConfig:
+                redis_url: str | None = None, prefix_index: bool | None = None) -> GatewayConfig:
     """`cfg` with the command line's values over it (None: not given); validated like the file,
     so a bad value fails with the config key it maps to."""
     raw = cfg.model_dump()
@@ -236,6 +249,8 @@ def apply_flags(cfg: GatewayConfig, *, backends: list[str] | None = None, orderi
                 if v is not None})
     if redis_url is not None:
         raw["state"].update(kind="redis", url=redis_url)
+    if prefix_index is not None:
+        raw["prefix"]["enabled"] = prefix_index
     return GatewayConfig.model_validate(raw)
 
 

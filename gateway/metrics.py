@@ -39,6 +39,9 @@ class Metrics:
                                   buckets=_OVH, registry=r)
         self.state_degraded = Gauge("slogate_state_degraded", "1 while the shared store is unreachable (serving on local state)", registry=r)
         self.gateways = Gauge("slogate_gateways", "Gateway instances sharing the store", registry=r)
+        self.prompt_tokens = Counter("slogate_prompt_tokens_total", "Prompt tokens dispatched (estimated: 4 characters a token)", ["backend"], registry=r)
+        self.prefix_cached = Counter("slogate_prefix_cached_tokens_total", "Of those, the tokens the gateway expected the replica's prefix cache "
+                                     "to hold", ["backend"], registry=r)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
 
     def render(self) -> bytes:

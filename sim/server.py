@@ -32,9 +32,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel
+from router.prefix import BLOCK_CHARS, text_block_hashes
 from router.request import SLO
 from router.request import Request as CoreRequest
-from sim.engine import EngineSim, Seq
+from sim.engine import BLOCK, EngineSim, Seq
 
 _SLO = SLO.best_effort()
 
@@ -81,11 +82,12 @@ class RealtimeEngine:
         e = self.eng
         return 1.0 - e.free_blocks / max(e.total_blocks, 1)
 
-    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0) -> tuple[int, asyncio.Queue[int | None]]:
+    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = ()) -> tuple[int, asyncio.Queue[int | None]]:
         rid = next(self._ids)
         q: asyncio.Queue[int | None] = asyncio.Queue()
         self._queues[rid] = q
-        seq = Seq(CoreRequest(rid, time.monotonic(), max(prompt_tokens, 1), _SLO), max(out_tokens, 1))
+        creq = CoreRequest(rid, time.monotonic(), max(prompt_tokens, 1), _SLO, prefix=prefix, tokens_per_block=BLOCK_CHARS / 4)
+        seq = Seq(creq, max(out_tokens, 1))
         if self.priority_scheduling:
             key = (priority, rid)
             self._prio[rid] = key
@@ -160,7 +162,7 @@ class FixedLatencyEngine:
     waiting = 0
     kv_usage = 0.0
 
-    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0) -> tuple[int, asyncio.Queue[int | None]]:
+    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = ()) -> tuple[int, asyncio.Queue[int | None]]:
         rid = next(self._ids)
         q: asyncio.Queue[int | None] = asyncio.Queue()
 
@@ -258,6 +260,9 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
                 f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{lab} {e.waiting}\n"
                 f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lab} {e.kv_usage:.4f}\n"
                 f"# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{lab} {e.eng.preemptions}\n"
+                f"# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{lab} {e.eng.prefix_queries}\n"
+                f"# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{lab} {e.eng.prefix_hits}\n"
+                f'# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size="{BLOCK}",num_gpu_blocks="{e.eng.total_blocks}"}} 1.0\n'
                 f"# TYPE slogate_sim_aborted_total counter\nslogate_sim_aborted_total{lab} {e.aborted}\n"
                 f"# TYPE slogate_sim_finished_total counter\nslogate_sim_finished_total{lab} {e.finished}\n"
                 f"# TYPE slogate_sim_peak_requests gauge\nslogate_sim_peak_requests{lab} {e.peak}\n")
@@ -282,7 +287,8 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         n_in = len(text) // 4 + 1
         n_out = answer_length(text, body.get(max_key) or body.get("max_completion_tokens"), bool(body.get("ignore_eos")))
         e = engine()
-        rid, q = e.submit(n_in, n_out, int(body.get("priority") or 0))
+        # Prefix caching on the prompt's text blocks (4 characters a token, as n_in counts).
+        rid, q = e.submit(n_in, n_out, int(body.get("priority") or 0), text_block_hashes(text))
 
         async def gen() -> AsyncIterator[int]:
             try:

@@ -296,6 +296,9 @@ def serve(
                                                      rich_help_panel=KNOBS)] = None,
     redis_url: Annotated[str | None, typer.Option(help="state.url (and state.kind redis): share replica state with other gateways",
                                                   rich_help_panel=KNOBS)] = None,
+    prefix_index: Annotated[bool | None, typer.Option("--prefix-index/--no-prefix-index",
+                                                      help="prefix.enabled: place by where each replica's prefix cache is",
+                                                      rich_help_panel=KNOBS)] = None,
 ) -> None:
     """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state.
     Precedence: flags, then SLOGATE_* environment variables, then the config file, then defaults."""
@@ -315,7 +318,8 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--config") from e
     try:
         cfg = apply_flags(cfg, backends=backend, ordering=ordering, placement=placement, budget=budget, learn_budget=learn_budget,
-                          pacing=pacing, ttft_ms=ttft_ms, tbt_ms=tbt_ms, deadline_ms=deadline_ms, waiting_ms=waiting_ms, redis_url=redis_url)
+                          pacing=pacing, ttft_ms=ttft_ms, tbt_ms=tbt_ms, deadline_ms=deadline_ms, waiting_ms=waiting_ms, redis_url=redis_url,
+                          prefix_index=prefix_index)
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
         raise typer.BadParameter(msgs) from e
