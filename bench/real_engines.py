@@ -86,14 +86,14 @@ def build_model(py: str, out: Path) -> Path:
     return out
 
 
-def start_vllm(py: str, model: Path, n: int, log_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+def start_vllm(py: str, model: Path, n: int, log_dir: Path, extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[str]]:
     procs, urls = [], []
     cores = os.cpu_count() or 1
     for i in range(n):
         port = free_port()
         log = open(log_dir / f"vllm{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
         cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager"]
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", *extra]
         if shutil.which("taskset"):
             cmd = ["taskset", "-c", str(i % cores), *cmd]
         procs.append(subprocess.Popen(cmd, env={**os.environ, **OFFLINE}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

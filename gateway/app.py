@@ -85,12 +85,12 @@ KV_FULL = 0.97  # vLLM's KV-cache use at which no more requests are sent there
 _CACHE_INFO = re.compile(r'(block_size|num_gpu_blocks)="(\d+)"')
 
 
-def _engine_gauges(text: str) -> tuple[float | None, float | None, int | None]:
-    """(running + waiting, KV-cache use, KV-cache size in tokens) from vLLM's Prometheus text,
-    summed over its models."""
+def _engine_gauges(text: str) -> tuple[float | None, float | None, tuple[int, int] | None]:
+    """(running + waiting, KV-cache use, (KV-cache size in tokens, block size)) from vLLM's
+    Prometheus text, summed over its models."""
     held: float | None = None
     kv: float | None = None
-    size: int | None = None
+    size: tuple[int, int] | None = None
     for line in text.splitlines():
         if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
             held = (held or 0.0) + float(line.rsplit(" ", 1)[1])
@@ -99,7 +99,7 @@ def _engine_gauges(text: str) -> tuple[float | None, float | None, int | None]:
         elif line.startswith("vllm:cache_config_info{"):
             info = dict(_CACHE_INFO.findall(line))
             if "block_size" in info and "num_gpu_blocks" in info:
-                size = int(info["block_size"]) * int(info["num_gpu_blocks"])
+                size = int(info["block_size"]) * int(info["num_gpu_blocks"]), int(info["block_size"])
     return held, kv, size
 
 
@@ -243,8 +243,10 @@ class Gateway:
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return
         held, kv, size = _engine_gauges(text)
-        if size and b.view.cache is not None and b.cfg.kv_cache_tokens is None:
-            b.view.cache.capacity = self._cache_blocks(size)
+        if size and b.view.cache is not None:
+            if b.cfg.kv_cache_tokens is None:
+                b.view.cache.capacity = self._cache_blocks(size[0])
+            b.view.kv_block = size[1]
         if held is not None:
             now_ext = max(0.0, held - b.view.inflight)
             b.external = 0.5 * b.external + 0.5 * now_ext  # smoothed: our counts and its scrape are not simultaneous

@@ -36,6 +36,7 @@ class ReplicaView:
     remote_prefill_raw: float = 0.0
     solo: set[int] = field(default_factory=set)  # dispatched to an empty prefill queue: their TTFT times a prefill
     cache: PrefixCache | None = None  # where this replica's prefix cache is (None: not tracked)
+    kv_block: int = 0  # the engine's KV block in tokens where known: it caches whole blocks only
 
     @property
     def inflight(self) -> int:
@@ -66,7 +67,8 @@ class ReplicaView:
         """Prompt tokens of `req` this replica's prefix cache holds, as far as the gateway knows."""
         if self.cache is None or not req.prefix:
             return 0
-        return hit_tokens(self.cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
+        hit = hit_tokens(self.cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
+        return hit - hit % self.kv_block if self.kv_block > 1 else hit
 
     def prefill_cost(self, req: Request, cached: int | None = None) -> float:
         """Corrected prefill time of `req` here: only the part its cache does not hold."""

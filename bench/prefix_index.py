@@ -1,0 +1,90 @@
+"""What the prefix index costs the gateway per request, and its memory.
+
+Per request the gateway hashes the prompt's text blocks once, looks its hashes up in every
+replica's index (placement, and GMAX once a frame) and inserts them where it is dispatched. This
+times those steps for a 64-block prompt (8,192 characters, ~2k tokens) over 8 replicas whose
+indexes are full (LRU evicting on every insert), and measures an index's memory per block.
+
+    python bench/prefix_index.py --out bench/results/prefix_index.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from router.latency import PROFILES, BatchLatencyModel
+from router.prefix import BLOCK_CHARS, PrefixCache, text_block_hashes
+from router.request import SLO, Request
+from router.view import ReplicaView
+
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "model", "answer"]
+
+
+def per_call_us(fn: Callable[[], object], n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def insert_next(cache: PrefixCache, prompts: Iterator[tuple[int, ...]]) -> None:
+    cache.insert(next(prompts))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--capacity", type=int, default=12_500, help="blocks per replica index (100k KV tokens at 32 tokens a block)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    rng = random.Random(0)
+
+    def text(n_chars: int) -> str:
+        s = " ".join(rng.choice(WORDS) for _ in range(n_chars // 3))
+        return s[:n_chars]
+
+    prompt = text(a.blocks * BLOCK_CHARS)
+    views = [ReplicaView(i, BatchLatencyModel(PROFILES["llama3.1-8b@a100-80g"])) for i in range(a.replicas)]
+    for v in views:  # full indexes: every insert below evicts
+        v.cache = PrefixCache(a.capacity)
+        for _ in range(a.capacity // a.blocks + 1):
+            v.cache.insert(text_block_hashes(text(a.blocks * BLOCK_CHARS)))
+    views[3].cache.insert(text_block_hashes(prompt))  # one replica holds it
+    req = Request(0, 0.0, len(prompt) // 4, SLO.latency(2.0, 0.1), prefix=text_block_hashes(prompt), tokens_per_block=BLOCK_CHARS / 4)
+    runs = []
+    for _ in range(a.repeats):
+        hashing = per_call_us(lambda: text_block_hashes(prompt), 2000)
+        lookup = per_call_us(lambda: [v.cached_tokens(req) for v in views], 2000)
+        fresh = [text_block_hashes(text(a.blocks * BLOCK_CHARS)) for _ in range(2000)]
+        insert = per_call_us(partial(insert_next, views[0].cache, iter(fresh)), 2000)
+        runs.append({"hash_us": round(hashing, 2), "lookup_all_replicas_us": round(lookup, 2), "insert_evicting_us": round(insert, 2),
+                     "total_us": round(hashing + lookup + insert, 2)})
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    c = PrefixCache(a.capacity)
+    for _ in range(a.capacity // a.blocks + 1):
+        c.insert(text_block_hashes(text(a.blocks * BLOCK_CHARS)))
+    mem = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    doc = {"config": vars(a) | {"out": str(a.out)}, "runs": runs,
+           "median_total_us": statistics.median(r["total_us"] for r in runs),
+           "index_bytes": mem, "bytes_per_block": round(mem / len(c), 1), "blocks": len(c)}
+    print(json.dumps(doc, indent=2))
+    if a.out:
+        a.out.write_text(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()
