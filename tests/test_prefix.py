@@ -185,3 +185,26 @@ def test_engine_gauges_read_vllms_cache_config():
             'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
             'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",num_gpu_blocks="682"} 1.0\n')
     assert _engine_gauges(text) == (4.0, 0.25, (682 * 128, 128))
+
+
+def test_a_turn_waits_for_its_busy_holder_and_the_free_slot_goes_to_another():
+    from router.policies import FCFS
+    from router.scheduler import Scheduler
+
+    conv = tuple(range(40))  # a 20k-token history, held by `holder`
+    holder, other = cached_view(0, budget=1), cached_view(1, budget=1)
+    holder.cache.insert(conv)
+    running = preq(50, (900,), slo=SLO.deadline(60.0))
+    holder.claim(running, 0.0)
+    holder.first_token(running, 0.1)  # decoding: the holder is full until it ends
+    running.len_bound = 10
+    turn = preq(1, (*conv, 41), slo=SLO.deadline(30.0))  # plenty of slack: worth waiting
+    fresh = preq(2, (700, 701), slo=SLO.deadline(30.0))
+    sched = Scheduler(FCFS(), GoRouting())
+    d = sched.schedule(0.2, [turn, fresh], [holder, other])
+    assert [(r.rid, rid) for r, rid in d.dispatch] == [(2, 1)]  # FCFS picked the turn first; it waits, the slot goes to the next
+    # Without slack the turn takes the free replica, cache or not.
+    urgent = preq(3, (*conv, 42), slo=SLO.latency(0.05, 0.1))
+    other.release(fresh, 0.3)
+    d = sched.schedule(0.3, [urgent], [holder, other])
+    assert [(r.rid, rid) for r, rid in d.dispatch] == [(3, 1)]

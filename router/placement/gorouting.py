@@ -33,9 +33,11 @@ def first_token_budget(req: Request, now: float, v_token: float) -> float:
 class GoRouting(PlacementPolicy):
     name = "gorouting"
 
-    def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0, seed: int = 0) -> None:
+    def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
+                 wait_for_cache: float = 0.2, seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
+        self.wait_for_cache = wait_for_cache  # share of the prompt a full holder must hold more than any free replica (0: never wait)
 
     def _value(self, r: Request) -> float:
         return r.tier.weight * (self.w_p + self.w_d * r.remaining_bound)
@@ -104,8 +106,32 @@ class GoRouting(PlacementPolicy):
             return max(not_heavy, key=lambda p: p.estimate_exec(now))
         return self.argmin_random_ties(cands, lambda p: p.estimate_exec(now))
 
+    def busy_holder(self, now: float, req: Request, replicas: Sequence[ReplicaView], room: Sequence[ReplicaView]) -> ReplicaView | None:
+        """A replica with no free slot that holds much more of `req`'s prompt than any replica with
+        room, if `req` can wait for its next free slot and still have its first token in time: the
+        request is better left waiting for it (the scheduler fills the free slot with another)."""
+        if not req.prefix or self.wait_for_cache <= 0:
+            return None
+        full = [p for p in replicas if p.healthy and p.free == 0 and p.cache is not None and p.role != "decode"]
+        if not full:
+            return None
+        hits = [p.cached_tokens(req) for p in full]
+        best = max(hits)
+        if best - max((p.cached_tokens(req) for p in room), default=0) < self.wait_for_cache * req.input_tokens:
+            return None
+        holder = full[hits.index(best)]
+        v = holder.token_time(0)
+        # Its next free slot: the running request with the least left to generate (a bound).
+        left = min((r.remaining_bound for r in holder.decoding.values()), default=0.0)
+        wait = left * v + holder.prefill_backlog(now)
+        first = wait + holder.prefill_cost(req, best) + holder.model.t_c
+        return holder if first <= first_token_budget(req, now, v) else None
+
     def place(self, now: float, req: Request, replicas: Sequence[ReplicaView]) -> ReplicaView | None:
-        return self._choose(now, req, self.with_room(replicas))
+        room = self.with_room(replicas)
+        if self.busy_holder(now, req, replicas, room) is not None:
+            return None
+        return self._choose(now, req, room)
 
 
 class GoRoutingPD(GoRouting):
