@@ -53,6 +53,7 @@ class _WfRun:
     issued: set[int] = field(default_factory=set)
     finish_at: dict[int, float] = field(default_factory=dict)
     ideal_tdg: float = 0.0
+    context: tuple[int, ...] = ()  # block ids of the context so far (workflow prefix caching)
 
 
 @dataclass
@@ -103,8 +104,9 @@ class ClusterSim:
         ]
         # The gateway's estimator starts from the nominal profile and learns β online.
         self.views = [ReplicaView(i, BatchLatencyModel(engine.coeffs), budget=engine.budget) for i in range(n_replicas)]
-        if engine.prefix_index and workload.tokens_per_block:
-            blocks = max(int(engine.kv_capacity_tokens // workload.tokens_per_block), 1)
+        per_block = workload.tokens_per_block or workload.workflow_prefix_tokens
+        if engine.prefix_index and per_block:
+            blocks = max(int(engine.kv_capacity_tokens // per_block), 1)
             for v in self.views:
                 v.cache = PrefixCache(blocks)
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
@@ -122,6 +124,7 @@ class ClusterSim:
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
         self._rid = itertools.count()
+        self._block = itertools.count(1 << 40)  # block ids of workflow contexts (apart from any trace's)
         self.ttft, self.tbt, self.e2e = array("d"), array("d"), array("d")
         self.tokens_processed = 0
         self.shed = 0
@@ -243,6 +246,13 @@ class ClusterSim:
         sub_deadline = run.wf.started_at + phi * (run.wf.deadline_at - run.wf.started_at)
         slo = SLO.compound(max(sub_deadline - self.now, 0.05))
         req = Request(next(self._rid), self.now, call.input_tokens, slo, tier=run.tier, tenant=run.tier.name, workflow=run.wf, stage=call.stage)
+        b = self.wl.workflow_prefix_tokens
+        if b:  # the call resends the workflow's context so far, then what is new to it
+            n = call.input_tokens // b
+            keep = run.context[:n]
+            req.prefix = keep + tuple(next(self._block) for _ in range(n - len(keep)))
+            req.tokens_per_block = float(b)
+            run.context = req.prefix + tuple(next(self._block) for _ in range(call.output_tokens // b))
         self.wf_of[req.rid] = (run, call)
         self._admit(req, call.output_tokens)
 

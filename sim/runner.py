@@ -41,6 +41,7 @@ class SimConfig:
     tokens_per_id: int = 512  # prefix traces: prompt tokens per block hash id
     prefix_index: bool = True  # the gateway's prefix index (prefix traces)
     kv_capacity_tokens: int = 400_000  # each engine's KV cache (and so its prefix cache)
+    workflow_prefix_tokens: int = 0  # >0: workflow calls resend the context so far (prefix caching), blocks of this many tokens
 
     def prompt_files(self) -> list[str]:
         """Explicit --prompts, else every prompts_*.jsonl beside the trace."""
@@ -84,8 +85,10 @@ class Experiment:
 
     def workload(self):  # type: ignore[no-untyped-def]
         c = self.cfg
-        return build_workload(self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed,
-                              tokens_per_block=self.tokens_per_block)
+        wl = build_workload(self.rows, self.mix, self.tiers, self.workflows, c.slo_scale, c.rate_scale, c.duration_s, c.max_requests, c.seed,
+                            tokens_per_block=self.tokens_per_block)
+        wl.workflow_prefix_tokens = c.workflow_prefix_tokens
+        return wl
 
     def run(self, combo: str) -> dict[str, Any]:
         """`combo` is ORDERING+PLACEMENT, optionally with `@BUDGET` (e.g. `fcfs+cache-aware@256`: a

@@ -85,6 +85,7 @@ class Workload:
     median_stages: float = 1.0
     workflow_specs: list[WorkflowSpec] = field(default_factory=list)  # the history pattern matching draws on
     tokens_per_block: float = 0.0  # prompt tokens one prefix block stands for (prefix traces)
+    workflow_prefix_tokens: int = 0  # >0: each workflow call resends the context so far, in blocks of this many tokens
 
     @property
     def n_requests(self) -> int:

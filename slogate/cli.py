@@ -47,6 +47,8 @@ def simulate(
     learn_budget: Annotated[bool, typer.Option(help="learn each replica's budget online as `slogate serve` does (--budget: the cap)")] = False,
     tokens_per_id: Annotated[int, typer.Option(min=1, help="prefix traces: prompt tokens per block hash id (the trace's own: 512)")] = 512,
     kv_capacity_tokens: Annotated[int, typer.Option(min=1, help="each engine's KV cache in tokens (bounds its prefix cache)")] = 400_000,
+    workflow_prefix_tokens: Annotated[int, typer.Option(min=0, help="workflow calls resend the context so far: prefix blocks of this "
+                                                        "many tokens (0: no prefix sharing)")] = 0,
     seed: int = 0,
     out: Annotated[Path | None, typer.Option(help="write results JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG of token goodput vs load")] = None,
@@ -64,7 +66,8 @@ def simulate(
     scales = _floats(rate_scale)
     cfg = SimConfig(str(trace), str(workflows) if workflows else None, mix, tiers, slo_scale, replicas, scales[0], duration_s, max_requests, predictor, seed, budget=budget,
                     learn_budget=learn_budget, predictor_model=str(predictor_model) if predictor_model else None, prompts=prompts,
-                    stage_estimate=stage_estimate, tokens_per_id=tokens_per_id, kv_capacity_tokens=kv_capacity_tokens)
+                    stage_estimate=stage_estimate, tokens_per_id=tokens_per_id, kv_capacity_tokens=kv_capacity_tokens,
+                    workflow_prefix_tokens=workflow_prefix_tokens)
     try:
         exp = Experiment(cfg)
     except ValueError as e:

@@ -208,3 +208,28 @@ def test_a_turn_waits_for_its_busy_holder_and_the_free_slot_goes_to_another():
     other.release(fresh, 0.3)
     d = sched.schedule(0.3, [urgent], [holder, other])
     assert [(r.rid, rid) for r, rid in d.dispatch] == [(3, 1)]
+
+
+@pytest.mark.parametrize("block", [64, 0])
+def test_workflow_calls_resend_their_context_and_hit_it(block):
+    from predictors.length import OracleLength
+    from router.request import SLOClass, Tier
+    from router.scheduler import Scheduler
+    from sim.cluster import ClusterSim, EngineConfig
+    from sim.workload import Call, Job, WorkflowSpec, Workload
+
+    # Three sequential agent calls whose prompts grow: each resends the context so far.
+    calls = [Call(0, 0, 2000, 200, [], 0.0), Call(1, 1, 2600, 200, [0], 0.0), Call(2, 2, 3200, 100, [1], 0.0)]
+    wl = Workload([Job(0.0, SLOClass.COMPOUND, Tier(), workflow=WorkflowSpec("w", calls), wf_deadline_s=60.0)], span_s=1.0,
+                  workflow_prefix_tokens=block)
+    sim = ClusterSim(wl, Scheduler.from_combo("gmax+gorouting"), OracleLength(), EngineConfig(PROFILES["llama3.1-8b@a100-80g"]),
+                     n_replicas=2)
+    res = sim.run()
+    assert res.prefix_queries == (7800 if block else 0)
+    if block:
+        # Call 1 finds call 0's prompt (31 whole blocks = 1984 tokens), call 2 call 1's (40 blocks =
+        # 2560): each on the replica that holds it. (The simulated engine caches prompt blocks; the
+        # answer's blocks are new to it.)
+        assert res.prefix_hits == 1984 + 2560
+    else:
+        assert res.prefix_hits == 0
