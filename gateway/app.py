@@ -63,6 +63,7 @@ from router.view import ReplicaView
 log = logging.getLogger("slogate.gateway")
 
 JSON_IN_THREAD = 256 * 1024  # bodies larger than this are parsed / encoded off the event loop
+HASH_IN_THREAD = 64 * 1024  # prompts longer than this (characters) are cut into prefix blocks off the loop (~0.15 ms)
 
 
 @dataclass(eq=False)
@@ -466,7 +467,10 @@ class Gateway:
         if prompt is None:
             req.len_bound = req.len_mean = 1.0
         elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:
-            req.prefix = text_block_hashes(prompt.text, self.prefix_chars)
+            if len(prompt.text) > HASH_IN_THREAD:  # ~20 µs per 64 blocks: a long context is hashed off the loop
+                req.prefix = await asyncio.to_thread(text_block_hashes, prompt.text, self.prefix_chars)
+            else:
+                req.prefix = text_block_hashes(prompt.text, self.prefix_chars)
             req.tokens_per_block = self.prefix_chars * n_in / len(prompt.text)
             sess = request.headers.get("x-session-id") or body.get("user")
             if isinstance(sess, str) and sess:

@@ -60,3 +60,21 @@ def test_conversations_return_to_the_replica_holding_their_history(indexed: bool
         # conversation's previous turn was only by chance; the shared system prompt still hits.
         assert rate < 0.35, rate
         assert cached == 0
+
+
+def test_a_long_context_is_indexed_too() -> None:
+    """A prompt long enough to be hashed off the event loop still lands where it is cached."""
+    with ExitStack() as st:
+        engines = [st.enter_context(ServerThread(create_engine_app(MODEL))) for _ in range(2)]
+        gw = st.enter_context(ServerThread(create_app(gateway_cfg([e.url for e in engines], policies={"frame_s": 0.05}))))
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        history = _words(random.Random(3), 14_000)  # ~100k characters
+        assert len(history) > 64 * 1024
+        for q in ("first question", "second question"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": history}, {"role": "user", "content": q}],
+                                      max_tokens=2)
+        cached = metric(gw.url, "slogate_prefix_cached_tokens_total")
+        prompt = metric(gw.url, "slogate_prompt_tokens_total")
+        hits = sum(metric(e.url, "vllm:prefix_cache_hits_total") for e in engines)
+    assert cached > 0.4 * prompt  # the second request: nearly all of its prompt
+    assert hits > 0.9 * cached  # and the engine found it where the gateway expected it
