@@ -77,9 +77,6 @@ class PrefixCache:
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
 
-    def clear(self) -> None:
-        self.blocks.clear()
-
 
 def hit_tokens(hit_blocks: int, tokens_per_block: float, input_tokens: int) -> int:
     """Prompt tokens a hit of `hit_blocks` saves: the engine always computes the last token."""

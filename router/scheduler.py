@@ -40,21 +40,23 @@ class Scheduler:
         slots = sum(p.free for p in replicas if p.role != "decode")
         sel = self.ordering.select(now, waiting, slots, replicas)
         out = Decisions(shed=sel.shed, preempt=sel.preempt)
-        left: set[int] = set()  # chosen but left waiting by the placement (e.g. for the replica holding its prefix)
+        taken: set[int] = set()  # dispatched, or chosen and left waiting by the placement (e.g. for the replica holding its prefix)
         for _ in range(3):
+            declined = False
             for req in sel.dispatch:
+                taken.add(req.rid)
                 target = self.placement.place(now, req, replicas)
                 if target is None:
-                    left.add(req.rid)
+                    declined = True
                     continue
                 target.claim(req, now)
                 out.dispatch.append((req, target.rid))
             slots = sum(p.free for p in replicas if p.role != "decode")
-            if len(out.dispatch) + len(left) == 0 or not slots or not any(r.rid in left for r in sel.dispatch):
+            if not declined or not slots:
                 break
             # A slot the placement declined to fill goes to the next request in the ordering's eyes.
-            gone = left | {r.rid for r, _ in out.shed}
-            rest = [r for r in waiting if r.replica is None and r.rid not in gone]
+            gone = taken | {r.rid for r, _ in out.shed}
+            rest = [r for r in waiting if r.rid not in gone]
             if not rest:
                 break
             sel = self.ordering.select(now, rest, slots, replicas)

@@ -90,13 +90,12 @@ class GoRouting(PlacementPolicy):
         d_max = max(deltas)
         if d_max <= 0:  # nobody meets it: the earliest first token, its cached prefix counted
             return self.argmin_random_ties(pool, lambda p: p.estimate_exec(now, req))
-        cands = [p for p, d in zip(pool, deltas, strict=True) if d >= self.alpha * d_max]
         # Among replicas where the goodput arithmetic finds it (nearly) as good, the one holding
         # most of its prompt: the prefill it saves is bandwidth every later request gets. The
         # holder drops out of the candidates once its queue would break someone's SLO.
-        best_hit = max((c for p, c in zip(pool, hits, strict=True) if p in cands), default=0)
-        if best_hit > 0:
-            cands = [p for p, c in zip(pool, hits, strict=True) if c == best_hit and p in cands]
+        near = [(p, c) for p, d, c in zip(pool, deltas, hits, strict=True) if d >= self.alpha * d_max]
+        best_hit = max(c for _, c in near)
+        cands = [p for p, c in near if c == best_hit]
         slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
         light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
         if light:
