@@ -4,10 +4,6 @@
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY router router
-COPY predictors predictors
-COPY gateway gateway
-COPY sim sim
 COPY slogate slogate
 RUN pip install --no-cache-dir --prefix=/install .
 

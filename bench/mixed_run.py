@@ -26,7 +26,7 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gateway.serve import free_port
+from slogate.testing.ports import free_port
 
 MODEL = "sim-model"
 

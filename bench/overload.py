@@ -23,8 +23,8 @@ import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sim.fleet import MODEL, rss_mb, start_fleet, stop
-from sim.loadgen import stream_once
+from slogate.testing.fleet import MODEL, rss_mb, start_fleet, stop
+from slogate.testing.loadgen import stream_once
 
 
 def scrape(url: str) -> dict[str, float]:

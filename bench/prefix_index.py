@@ -22,10 +22,10 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from router.latency import PROFILES, BatchLatencyModel
-from router.prefix import BLOCK_CHARS, PrefixCache, text_block_hashes
-from router.request import SLO, Request
-from router.view import ReplicaView
+from slogate.router.latency import PROFILES, BatchLatencyModel
+from slogate.router.prefix import BLOCK_CHARS, PrefixCache, text_block_hashes
+from slogate.router.request import SLO, Request
+from slogate.router.view import ReplicaView
 
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "model", "answer"]
 

@@ -53,11 +53,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from gateway.serve import free_port  # noqa: E402
-from router.goodput import RequestLedger  # noqa: E402
-from router.request import SLO  # noqa: E402
-from router.request import Request as CoreRequest  # noqa: E402
-from sim.fleet import cpu_s, stop, wait_http  # noqa: E402
+from slogate.router.goodput import RequestLedger  # noqa: E402
+from slogate.router.request import SLO  # noqa: E402
+from slogate.router.request import Request as CoreRequest  # noqa: E402
+from slogate.testing.fleet import cpu_s, stop, wait_http  # noqa: E402
+from slogate.testing.ports import free_port  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 RECIPE = SHARED / "recipes" / "make_tiny_model.py"

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sim.runner import Experiment, SimConfig
+from slogate.sim.runner import Experiment, SimConfig
 
 
 def main() -> None:

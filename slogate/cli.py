@@ -54,8 +54,8 @@ def simulate(
     plot: Annotated[Path | None, typer.Option(help="write a PNG of token goodput vs load")] = None,
 ) -> None:
     """Replay a trace through N simulated vLLM replicas under each policy combination."""
-    from router.registry import parse_combo
-    from sim.runner import Experiment, SimConfig
+    from slogate.router.registry import parse_combo
+    from slogate.sim.runner import Experiment, SimConfig
 
     combos = [c.strip() for c in policies.split(",") if c.strip()]
     try:
@@ -163,8 +163,8 @@ def train_predictor(
     seed: int = 0,
 ) -> None:
     """Train the length upper-bound model (split by prompt; held-out prompts are recorded by rule)."""
-    from predictors.evaluate import load_prompt_rows, split_rows
-    from predictors.qrf import LengthModel
+    from slogate.predictors.evaluate import load_prompt_rows, split_rows
+    from slogate.predictors.qrf import LengthModel
 
     files = _data_files(data)
     try:
@@ -194,8 +194,8 @@ def eval_predictor(
     all_rows: Annotated[bool, typer.Option("--all", help="evaluate on every row (data the model never saw), not only its held-out prompts")] = False,
 ) -> None:
     """Coverage, tightness and pinball loss of the bound on held-out prompts, vs baselines."""
-    from predictors.evaluate import evaluate, load_prompt_rows, split_rows
-    from predictors.qrf import LengthModel
+    from slogate.predictors.evaluate import evaluate, load_prompt_rows, split_rows
+    from slogate.predictors.qrf import LengthModel
 
     try:
         m = LengthModel.load(model)
@@ -243,7 +243,7 @@ def eval_graphs(
 ) -> None:
     """Leave-one-out error of stage time shares from pattern-graph matching vs a uniform split
     and the JITServe-code matcher, as stages reveal; plus matching latency with 500 graphs."""
-    from predictors.pattern_eval import evaluate_file, match_latency
+    from slogate.predictors.pattern_eval import evaluate_file, match_latency
 
     files = _data_files(workflows)
     report: dict[str, Any] = {"files": {}}
@@ -310,8 +310,8 @@ def serve(
 
     from pydantic import ValidationError
 
-    from gateway.config import apply_flags, load_config
-    from gateway.serve import serve as run
+    from slogate.embedded import serve_with_sim_engines as run
+    from slogate.gateway.config import apply_flags, load_config
 
     if config is None and os.environ.get("SLOGATE_CONFIG"):
         config = Path(os.environ["SLOGATE_CONFIG"])
@@ -349,7 +349,7 @@ def reference(
     check: Annotated[bool, typer.Option(help="only check that the files are up to date (exit 1 if not)")] = False,
 ) -> None:
     """Write the configuration, metrics and SLO references generated from the code."""
-    from gateway.reference import stale, write
+    from slogate.gateway.reference import stale, write
 
     if check:
         bad = stale(out_dir)
@@ -367,7 +367,7 @@ def hash_key(key: Annotated[str, typer.Argument(help="an API key (or '-' to read
     """Print the SHA-256 to put in `auth.keys[].sha256` (the key itself is never stored)."""
     import sys
 
-    from gateway.auth import key_hash
+    from slogate.gateway.auth import key_hash
 
     print(key_hash(sys.stdin.readline().strip() if key == "-" else key))
 
@@ -386,7 +386,7 @@ def engine(
     """A simulated vLLM engine (OpenAI API, vLLM /metrics) whose token timing follows the batch latency model."""
     import uvicorn
 
-    from sim.server import create_engine_app
+    from slogate.sim.server import create_engine_app
 
     kw: dict[str, Any] = {"priority_scheduling": priority_scheduling}
     if fixed_ttft_ms is None:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 
-from gateway.serve import free_port
+from slogate.testing.ports import free_port
 
 MODEL = "sim-model"
 

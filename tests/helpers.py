@@ -1,6 +1,6 @@
-from router.latency import PROFILES, BatchLatencyModel
-from router.request import SLO, Request, Tier
-from router.view import ReplicaView
+from slogate.router.latency import PROFILES, BatchLatencyModel
+from slogate.router.request import SLO, Request, Tier
+from slogate.router.view import ReplicaView
 
 PROFILE = PROFILES["llama3.1-8b@a100-80g"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.serve import free_port
+from slogate.testing.ports import free_port
 
 
 class ServerThread:

@@ -10,11 +10,11 @@ import openai
 import pytest
 from servers import ServerThread
 
-from gateway.app import create_app
-from gateway.auth import key_hash
-from gateway.config import GatewayConfig
-from gateway.slo import WorkflowRegistry, resolve
-from sim.server import create_engine_app
+from slogate.gateway.app import create_app
+from slogate.gateway.auth import key_hash
+from slogate.gateway.config import GatewayConfig
+from slogate.gateway.slo import WorkflowRegistry, resolve
+from slogate.sim.server import create_engine_app
 
 MODEL = "sim-model"
 GOLD, BASIC, ADMIN = "sk-gold-0123456789", "sk-basic-abcdef", "sk-admin-xyz"

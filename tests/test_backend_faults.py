@@ -12,9 +12,9 @@ from contextlib import ExitStack
 from faults import EngineProcess, Load, Watch
 from servers import ServerThread
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from predictors.online import OnlineLengthPredictor
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
+from slogate.predictors.online import OnlineLengthPredictor
 
 MODEL = "sim-model"
 
@@ -109,8 +109,8 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path) -> None:
     import subprocess
     import sys
 
-    from gateway.serve import free_port
-    from sim.loadgen import stream_once
+    from slogate.testing.loadgen import stream_once
+    from slogate.testing.ports import free_port
 
     with ExitStack() as st:
         e = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "50"))

@@ -12,10 +12,10 @@ import openai
 import pytest
 from servers import ServerThread
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from predictors.online import OnlineLengthPredictor
-from sim.server import create_engine_app
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
+from slogate.predictors.online import OnlineLengthPredictor
+from slogate.sim.server import create_engine_app
 
 MODEL = "sim-model"
 LIMIT = 8192  # a configured body limit, far below the default 4 MiB

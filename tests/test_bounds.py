@@ -2,11 +2,11 @@
 
 import pytest
 
-from router.latency import BatchLatencyModel, LatencyCoeffs
-from router.request import SLO, SLOClass, Tier
-from sim.bounds import isolation_goodput, token_times
-from sim.runner import Experiment, SimConfig
-from sim.workload import Call, Job, WorkflowSpec, Workload
+from slogate.router.latency import BatchLatencyModel, LatencyCoeffs
+from slogate.router.request import SLO, SLOClass, Tier
+from slogate.sim.bounds import isolation_goodput, token_times
+from slogate.sim.runner import Experiment, SimConfig
+from slogate.sim.workload import Call, Job, WorkflowSpec, Workload
 
 # Round numbers: a prefill chunk costs 1 s + 0.01 s/token, a decode step 0.5 s.
 C = LatencyCoeffs(a_p=0.0, b_p=0.0, c_p=0.01, a_d=0.0, b_d=0.0, t_c=0.5)
@@ -56,9 +56,9 @@ def test_no_policy_earns_more_than_the_bound(synthetic_trace):
 
 
 def test_token_times_are_what_the_engine_model_does_for_one_request_alone():
-    from router.latency import DEFAULT_PROFILE, PROFILES
-    from router.request import Request
-    from sim.engine import EngineSim, Seq
+    from slogate.router.latency import DEFAULT_PROFILE, PROFILES
+    from slogate.router.request import Request
+    from slogate.sim.engine import EngineSim, Seq
 
     model = BatchLatencyModel(PROFILES[DEFAULT_PROFILE])
     eng = EngineSim(0, model, max_batched_tokens=512)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from router.capacity import CapacityLearner
+from slogate.router.capacity import CapacityLearner
 
 
 def drive(learner: CapacityLearner, itl, seconds: int, target: float, offered: int = 10_000, rng: random.Random | None = None) -> list[int]:
@@ -77,8 +77,8 @@ def test_prefill_stalls_in_the_tail_do_not_read_as_overload() -> None:
 
 
 def test_the_pace_streams_can_afford_follows_their_slack() -> None:
-    from router.capacity import affordable_pace
-    from router.request import SLO, Request
+    from slogate.router.capacity import affordable_pace
+    from slogate.router.request import SLO, Request
 
     def stream(arrival: float, generated: int, left: float, tbt: float = 0.05) -> Request:
         r = Request(0, arrival, 100, SLO.latency(1.0, tbt))

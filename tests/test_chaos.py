@@ -20,8 +20,8 @@ import httpx
 from faults import EngineProcess, gauge
 from test_multigateway import start_redis, up
 
-from gateway.serve import free_port
-from sim.loadgen import StreamResult, stream_once
+from slogate.testing.loadgen import StreamResult, stream_once
+from slogate.testing.ports import free_port
 
 MODEL = "sim-model"
 BUDGET = 6

@@ -15,11 +15,11 @@ from faults import gauge
 from servers import ServerThread
 from typer.testing import CliRunner
 
-from gateway.config import CLI_FLAGS, GatewayConfig, apply_flags, load_config
-from gateway.serve import free_port
-from sim.fleet import wait_http
-from sim.server import create_engine_app
 from slogate.cli import app
+from slogate.gateway.config import CLI_FLAGS, GatewayConfig, apply_flags, load_config
+from slogate.sim.server import create_engine_app
+from slogate.testing.fleet import wait_http
+from slogate.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def test_the_command_line_passes_its_flags_and_rejects_bad_ones(tmp_path: Path, 
     async def fake_serve(cfg: GatewayConfig, *a: object, **kw: object) -> None:
         seen.append(cfg)
 
-    monkeypatch.setattr("gateway.serve.serve", fake_serve)
+    monkeypatch.setattr("slogate.embedded.serve_with_sim_engines", fake_serve)
     monkeypatch.setenv("SLOGATE_ORDERING", "edf")
     f = tmp_path / "gw.yaml"
     f.write_text(yaml.safe_dump({"backends": [{"url": "http://127.0.0.1:9"}], "policies": {"ordering": "fcfs"}}))

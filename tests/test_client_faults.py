@@ -17,9 +17,9 @@ import pytest
 from faults import EngineProcess, gauge
 from servers import ServerThread
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from predictors.online import OnlineLengthPredictor
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
+from slogate.predictors.online import OnlineLengthPredictor
 
 MODEL = "sim-model"
 

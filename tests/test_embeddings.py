@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from faults import gauge
 from servers import ServerThread
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from sim.server import create_engine_app
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
+from slogate.sim.server import create_engine_app
 
 MODEL = "sim-model"
 

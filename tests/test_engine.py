@@ -1,8 +1,8 @@
 import pytest
 
-from router.latency import BatchLatencyModel
-from router.request import SLO, Request
-from sim.engine import EngineSim, Seq
+from slogate.router.latency import BatchLatencyModel
+from slogate.router.request import SLO, Request
+from slogate.sim.engine import EngineSim, Seq
 from tests.helpers import PROFILE
 
 

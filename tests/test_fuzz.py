@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 from servers import ServerThread
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from predictors.online import OnlineLengthPredictor
-from sim.server import create_engine_app
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
+from slogate.predictors.online import OnlineLengthPredictor
+from slogate.sim.server import create_engine_app
 
 MODEL = "sim-model"
 EXAMPLES = int(os.environ.get("SLOGATE_FUZZ_EXAMPLES", "25"))

@@ -16,10 +16,10 @@ import pytest
 from fastapi import FastAPI, Request
 from servers import ServerThread
 
-from gateway.app import create_app
-from gateway.config import BackendConfig, GatewayConfig, load_config
-from predictors.online import OnlineLengthPredictor
-from sim.server import create_engine_app
+from slogate.gateway.app import create_app
+from slogate.gateway.config import BackendConfig, GatewayConfig, load_config
+from slogate.predictors.online import OnlineLengthPredictor
+from slogate.sim.server import create_engine_app
 
 MODEL = "sim-model"
 

@@ -5,12 +5,12 @@ import itertools
 
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.errors import APIError
-from gateway.pacing import Pacer, paced
-from gateway.slo import WorkflowRegistry, resolve
-from gateway.sse import inspect
-from router.request import SLOClass
+from slogate.gateway.config import GatewayConfig
+from slogate.gateway.errors import APIError
+from slogate.gateway.pacing import Pacer, paced
+from slogate.gateway.slo import WorkflowRegistry, resolve
+from slogate.gateway.sse import inspect
+from slogate.router.request import SLOClass
 
 CFG = GatewayConfig.model_validate({
     "backends": [{"url": "http://127.0.0.1:1"}],

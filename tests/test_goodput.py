@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from router.goodput import GoodputAccount, GoodputWeights, RequestLedger, WorkflowLedger, soft_decay
-from router.request import SLO, Request, SLOClass, Tier, Workflow
+from slogate.router.goodput import GoodputAccount, GoodputWeights, RequestLedger, WorkflowLedger, soft_decay
+from slogate.router.request import SLO, Request, SLOClass, Tier, Workflow
 
 
 def lat_req(**kw):

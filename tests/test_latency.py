@@ -1,6 +1,6 @@
 import pytest
 
-from router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel, LatencyCoeffs
+from slogate.router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel, LatencyCoeffs
 
 
 def test_batch_time_is_eq7_sum_of_prefill_and_decode_terms():
@@ -39,8 +39,8 @@ def test_prefill_has_its_own_correction_learned_from_first_tokens() -> None:
     """A CPU engine prefills ~4× slower (relative to its decode) than the profile: first tokens
     of requests dispatched to an empty prefill queue teach the prefill estimate that, without
     touching the decode correction; a request that queued behind another teaches nothing."""
-    from router.request import SLO, Request
-    from router.view import ReplicaView
+    from slogate.router.request import SLO, Request
+    from slogate.router.view import ReplicaView
 
     m = BatchLatencyModel(PROFILES[DEFAULT_PROFILE])
     v = ReplicaView(0, m, budget=8)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from sim.fleet import MODEL, rss_mb, start_fleet, stop
-from sim.loadgen import closed_loop
+from slogate.testing.fleet import MODEL, rss_mb, start_fleet, stop
+from slogate.testing.loadgen import closed_loop
 
 
 def test_a_thousand_concurrent_streams_through_one_gateway_all_complete() -> None:

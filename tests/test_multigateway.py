@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.serve import free_port
-from sim.fleet import wait_http
+from slogate.testing.fleet import wait_http
+from slogate.testing.ports import free_port
 
 MODEL = "sim-model"
 BUDGET = 4

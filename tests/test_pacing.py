@@ -12,9 +12,9 @@ from contextlib import ExitStack
 import openai
 from faults import gauge
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from sim.server import create_engine_app
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
+from slogate.sim.server import create_engine_app
 from tests.servers import ServerThread
 
 MODEL = "sim-model"

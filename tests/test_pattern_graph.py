@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from predictors.pattern_eval import evaluate_file, match_latency
-from predictors.pattern_graph import JITServeCodeMatcher, PatternStore, WfCall, stage_shares, stage_summary, workflow_graph
+from slogate.predictors.pattern_eval import evaluate_file, match_latency
+from slogate.predictors.pattern_graph import JITServeCodeMatcher, PatternStore, WfCall, stage_shares, stage_summary, workflow_graph
 
 
 def chain(key_out: list[int], labels: list[str] | None = None, gap: float = 0.0) -> list[WfCall]:

@@ -1,7 +1,7 @@
 import pytest
 
-from router.placement import GoRouting, GoRoutingPD, LeastLoad, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
-from router.request import SLO
+from slogate.router.placement import GoRouting, GoRoutingPD, LeastLoad, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
+from slogate.router.request import SLO
 from tests.helpers import req, view
 
 

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from router.policies import EDF, FCFS, GMAX, LTR, PLAS, SJF, SimulatedAnnealing, SlideBatching, StrictPriority, WeightedVTC
-from router.registry import ORDERING, make_ordering
-from router.request import SLO, Tier, Workflow
+from slogate.router.policies import EDF, FCFS, GMAX, LTR, PLAS, SJF, SimulatedAnnealing, SlideBatching, StrictPriority, WeightedVTC
+from slogate.router.registry import ORDERING, make_ordering
+from slogate.router.request import SLO, Tier, Workflow
 from tests.helpers import req, view
 
 

@@ -10,12 +10,12 @@ import pytest
 from conftest import synthetic_prompt_rows
 from typer.testing import CliRunner
 
-from predictors.evaluate import GlobalQuantile, PromptRow, bound_metrics, evaluate, load_prompt_rows, split_rows
-from predictors.features import HAND_FEATURES, PromptInput, asked_tokens, hand_features, hash_ngrams, prompt_from_body
-from predictors.forest import CompiledForest
-from predictors.online import OnlineLengthPredictor
-from predictors.paired import PromptPool
-from predictors.qrf import ForestParams, LengthModel, band_of, is_heldout
+from slogate.predictors.evaluate import GlobalQuantile, PromptRow, bound_metrics, evaluate, load_prompt_rows, split_rows
+from slogate.predictors.features import HAND_FEATURES, PromptInput, asked_tokens, hand_features, hash_ngrams, prompt_from_body
+from slogate.predictors.forest import CompiledForest
+from slogate.predictors.online import OnlineLengthPredictor
+from slogate.predictors.paired import PromptPool
+from slogate.predictors.qrf import ForestParams, LengthModel, band_of, is_heldout
 
 SMALL = ForestParams(n_estimators=16, min_samples_leaf=8, max_samples=0.5)
 

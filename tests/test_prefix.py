@@ -3,12 +3,12 @@ and the simulated engine's cache."""
 
 import pytest
 
-from router.latency import PROFILES, BatchLatencyModel
-from router.placement import CacheAware, GoRouting, PrefixScore, SessionHash
-from router.policies import GMAX
-from router.prefix import PrefixCache, hit_tokens, rendezvous, text_block_hashes
-from router.request import SLO, Request
-from sim.engine import EngineSim, Seq
+from slogate.router.latency import PROFILES, BatchLatencyModel
+from slogate.router.placement import CacheAware, GoRouting, PrefixScore, SessionHash
+from slogate.router.policies import GMAX
+from slogate.router.prefix import PrefixCache, hit_tokens, rendezvous, text_block_hashes
+from slogate.router.request import SLO, Request
+from slogate.sim.engine import EngineSim, Seq
 from tests.helpers import req, view
 
 TPB = 512.0  # tokens per block in these tests (Mooncake's)
@@ -179,7 +179,7 @@ def test_hits_round_down_to_the_engines_kv_block():
 
 
 def test_engine_gauges_read_vllms_cache_config():
-    from gateway.app import _engine_gauges
+    from slogate.gateway.app import _engine_gauges
 
     text = ('vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
             'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
@@ -188,8 +188,8 @@ def test_engine_gauges_read_vllms_cache_config():
 
 
 def test_a_turn_waits_for_its_busy_holder_and_the_free_slot_goes_to_another():
-    from router.policies import FCFS
-    from router.scheduler import Scheduler
+    from slogate.router.policies import FCFS
+    from slogate.router.scheduler import Scheduler
 
     conv = tuple(range(40))  # a 20k-token history, held by `holder`
     holder, other = cached_view(0, budget=1), cached_view(1, budget=1)
@@ -212,11 +212,11 @@ def test_a_turn_waits_for_its_busy_holder_and_the_free_slot_goes_to_another():
 
 @pytest.mark.parametrize("block", [64, 0])
 def test_workflow_calls_resend_their_context_and_hit_it(block):
-    from predictors.length import OracleLength
-    from router.request import SLOClass, Tier
-    from router.scheduler import Scheduler
-    from sim.cluster import ClusterSim, EngineConfig
-    from sim.workload import Call, Job, WorkflowSpec, Workload
+    from slogate.predictors.length import OracleLength
+    from slogate.router.request import SLOClass, Tier
+    from slogate.router.scheduler import Scheduler
+    from slogate.sim.cluster import ClusterSim, EngineConfig
+    from slogate.sim.workload import Call, Job, WorkflowSpec, Workload
 
     # Three sequential agent calls whose prompts grow: each resends the context so far.
     calls = [Call(0, 0, 2000, 200, [], 0.0), Call(1, 1, 2600, 200, [0], 0.0), Call(2, 2, 3200, 100, [1], 0.0)]

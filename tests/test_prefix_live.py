@@ -11,8 +11,8 @@ import pytest
 from servers import ServerThread
 from test_gateway import MODEL, gateway_cfg, metric
 
-from gateway.app import create_app
-from sim.server import create_engine_app
+from slogate.gateway.app import create_app
+from slogate.sim.server import create_engine_app
 
 SYSTEM = "You are a careful assistant. " * 24  # ~700 characters every conversation shares
 

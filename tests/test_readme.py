@@ -14,8 +14,8 @@ from pathlib import Path
 import openai
 from faults import EngineProcess
 
-from gateway.serve import free_port
-from sim.fleet import wait_http
+from slogate.testing.fleet import wait_http
+from slogate.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

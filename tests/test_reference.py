@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ENV_OVERRIDES, GatewayConfig, load_config
-from gateway.errors import APIError
-from gateway.reference import REFERENCES, config_rows, metric_rows, stale
-from gateway.slo import BODY_FIELDS, HEADERS, WorkflowRegistry, resolve
+from slogate.gateway.config import ENV_OVERRIDES, GatewayConfig, load_config
+from slogate.gateway.errors import APIError
+from slogate.gateway.reference import REFERENCES, config_rows, metric_rows, stale
+from slogate.gateway.slo import BODY_FIELDS, HEADERS, WorkflowRegistry, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 REF = ROOT / "docs" / "reference"

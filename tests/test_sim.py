@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from predictors.length import EmpiricalQuantile, NoisyOracle, OracleLength
-from router.request import SLO, Request
-from sim.runner import Experiment, SimConfig
-from sim.workload import build_workload, load_trace, parse_tiers, parse_weights
+from slogate.predictors.length import EmpiricalQuantile, NoisyOracle, OracleLength
+from slogate.router.request import SLO, Request
+from slogate.sim.runner import Experiment, SimConfig
+from slogate.sim.workload import build_workload, load_trace, parse_tiers, parse_weights
 
 
 def _cfg(trace, **kw):
@@ -84,8 +84,8 @@ def test_qrf_predictor_needs_a_model_file(synthetic_trace):
 
 
 def test_qrf_predictor_pairs_requests_with_real_prompts_and_batches(tmp_path, synthetic_trace, synthetic_prompts):
-    from predictors.evaluate import load_prompt_rows, split_rows
-    from predictors.qrf import ForestParams, LengthModel
+    from slogate.predictors.evaluate import load_prompt_rows, split_rows
+    from slogate.predictors.qrf import ForestParams, LengthModel
 
     train, _ = split_rows(load_prompt_rows([synthetic_prompts]), 0.3)
     m = LengthModel(n_hash=2**14, forest_params=ForestParams(n_estimators=12)).fit(

@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 
-from gateway.state.base import Entry
-from gateway.state.memory import MemoryStore
-from gateway.state.redis import RedisStore
+from slogate.gateway.state.base import Entry
+from slogate.gateway.state.memory import MemoryStore
+from slogate.gateway.state.redis import RedisStore
 
 _ns = itertools.count()
 
@@ -89,7 +89,7 @@ def test_concurrent_claims_never_exceed_the_budget(store) -> None:
 
 
 def test_redis_unreachable_raises_state_unavailable() -> None:
-    from gateway.state.base import StateUnavailable
+    from slogate.gateway.state.base import StateUnavailable
 
     async def go(s):
         with pytest.raises(StateUnavailable):

@@ -15,8 +15,8 @@ import pytest
 from servers import ServerThread
 from vllm_engine import start_vllm
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
 
 
 @pytest.fixture(scope="module")

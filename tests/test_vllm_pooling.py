@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import ServerThread
 from vllm_engine import start_vllm
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
+from slogate.gateway.app import create_app
+from slogate.gateway.config import GatewayConfig
 
 
 @pytest.fixture(scope="module")

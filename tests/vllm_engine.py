@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.serve import free_port
+from slogate.testing.ports import free_port
 
 RECIPE = Path(__file__).resolve().parents[2] / "shared" / "recipes" / "make_tiny_model.py"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",

@@ -1,0 +1,30 @@
+"""`slogate serve` with no backend: the gateway in front of simulated engines in one process.
+Composes the gateway and the simulator, so it lives above both (neither imports the other)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+
+from slogate.gateway.config import BackendConfig, GatewayConfig
+from slogate.gateway.serve import serve, start_server
+from slogate.sim.server import create_engine_app
+
+
+async def serve_with_sim_engines(cfg: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, sim_engines: int = 0,
+                                 sim_model: str = "sim-model", log_level: str = "info", sim_budget: int | None = None) -> None:
+    """Start `sim_engines` simulated engines in this process, point the gateway at them, serve it."""
+    engines: list[tuple[uvicorn.Server, asyncio.Task[Any]]] = []
+    for i in range(sim_engines):
+        srv, task, p = await start_server(create_engine_app(sim_model))
+        engines.append((srv, task))
+        cfg.backends.append(BackendConfig(url=f"http://127.0.0.1:{p}", models=[sim_model], name=f"sim-{i + 1}",
+                                          **({"budget": sim_budget} if sim_budget else {})))
+    try:
+        await serve(cfg, host, port, log_level)
+    finally:
+        for srv, task in engines:
+            srv.should_exit = True
+            await task

@@ -1,0 +1,240 @@
+"""The gateway-side queue: the decision core run on the event loop.
+
+Each request waits here (an asyncio future) until the configured ordering policy picks it and
+the placement policy finds a replica with room in its concurrency budget. The scheduler runs
+once per loop iteration after arrivals (all arrivals of that iteration in one call), on every
+completion, and every frame Δ (for shedding and waiting-time expiry). Length bounds for new
+arrivals and refinements of running streams are answered in one batched predictor call just
+before each decision. Refusals: a full queue → 503, not dispatched within the waiting time or
+shed as unattainable → 429; both with Retry-After. Best-effort requests have a waiting time as
+long as their default deadline, so they wait rather than get refused, and GMAX never lets them
+go unserved forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from slogate.gateway.errors import APIError
+from slogate.predictors.features import PromptInput
+from slogate.predictors.online import OnlineLengthPredictor, Track
+from slogate.router.request import Request, SLOClass
+from slogate.router.scheduler import Scheduler
+from slogate.router.view import ReplicaView
+
+log = logging.getLogger("slogate.admission")
+
+
+@dataclass(eq=False)
+class Ticket:
+    req: Request
+    fut: asyncio.Future[int]
+    wait_until: float
+    track: Track | None = None
+    replica: int | None = None
+    last_refine: int = 0
+
+
+class Admission:
+    def __init__(self, scheduler: Scheduler, views: list[ReplicaView], *, max_queue: int = 2000, frame_s: float = 0.3,
+                 predictor: OnlineLengthPredictor | None = None, refine_every: int = 50,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.scheduler = scheduler
+        self.views = views
+        self.by_rid = {v.rid: v for v in views}
+        self.max_queue = max_queue
+        self.frame_s = frame_s
+        self.predictor = predictor
+        self.refine_every = refine_every
+        self.clock = clock
+        self.waiting: dict[int, Ticket] = {}
+        self.running: dict[int, Ticket] = {}
+        self._ids = itertools.count(1)
+        self._to_predict: dict[int, Ticket] = {}
+        self._soon: asyncio.Handle | None = None
+        self._frames: asyncio.Task[None] | None = None
+        self.on_refused: Callable[[Ticket, str], None] | None = None
+        self.on_decision: Callable[[float], None] | None = None
+        # Shared state: confirm a local decision with an atomic claim in the store (False: another
+        # gateway took the last slot), and hand releases / first tokens to it.
+        self.confirm: Callable[[Ticket], Awaitable[bool]] | None = None
+        self.on_release: Callable[[Ticket], None] | None = None
+        self.on_first_token: Callable[[Ticket], None] | None = None
+
+    def new_rid(self) -> int:
+        return next(self._ids)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._frames is None:
+            self._frames = asyncio.get_running_loop().create_task(self._frame_loop())
+
+    async def stop(self) -> None:
+        if self._frames is not None:
+            self._frames.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._frames
+            self._frames = None
+        for t in list(self.waiting.values()):
+            if not t.fut.done():
+                t.fut.set_exception(APIError(503, "the gateway is shutting down", retry_after=1))
+        self.waiting.clear()
+
+    async def _frame_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.frame_s)
+            try:
+                self._schedule()
+            except Exception:  # a policy bug must not kill the loop that serves everyone
+                log.exception("scheduling failed")
+
+    # ------------------------------------------------------------------ requests
+    def retry_after(self) -> float:
+        """A rough time until a slot frees: queue length over the fleet's budget, ≥ 1 s."""
+        budget = sum(v.budget for v in self.views if v.healthy) or 1
+        return max(1.0, min(30.0, len(self.waiting) / budget * 2.0))
+
+    async def acquire(self, req: Request, waiting_s: float, prompt: PromptInput | None = None) -> Ticket:
+        """Wait until `req` is dispatched; returns its ticket with `.replica` set."""
+        if not any(v.healthy for v in self.views):
+            raise APIError(503, "no healthy backend replica", retry_after=2.0)
+        if len(self.waiting) >= self.max_queue:
+            raise APIError(503, f"the gateway queue is full ({self.max_queue} waiting)", retry_after=self.retry_after())
+        now = self.clock()
+        t = Ticket(req, asyncio.get_running_loop().create_future(), now + waiting_s)
+        if self.predictor is not None and prompt is not None:
+            t.track = self.predictor.track(prompt)
+            self._to_predict[req.rid] = t
+        self.waiting[req.rid] = t
+        if len(self.waiting) == 1 and self._soon is None and any(v.free for v in self.views):
+            self._schedule()  # an empty queue and room: decide now, no trip through the event loop
+        else:
+            self._schedule_soon()  # a queue: this iteration's arrivals are decided together
+        while True:
+            try:
+                t.replica = await t.fut
+            except asyncio.CancelledError:
+                # The client went away while waiting; if a slot was already claimed, give it back.
+                self.waiting.pop(req.rid, None)
+                self._to_predict.pop(req.rid, None)
+                if t.fut.done() and not t.fut.cancelled() and t.fut.exception() is None:
+                    self.by_rid[t.fut.result()].release(req, self.clock())
+                    self._schedule_soon()
+                raise
+            if self.confirm is None:
+                break
+            try:
+                ok = await self.confirm(t)
+            except asyncio.CancelledError:
+                self.by_rid[t.replica].release(req, self.clock())
+                if self.on_release is not None:
+                    self.on_release(t)  # the claim may have landed before the cancel
+                raise
+            if ok:
+                break
+            # Another gateway took the replica's last slot: count it full until the next sync, wait again.
+            view = self.by_rid[t.replica]
+            view.release(req, self.clock())
+            view.remote_prefill += 1
+            t.replica = None
+            t.fut = asyncio.get_running_loop().create_future()
+            self.waiting[req.rid] = t
+            self._schedule_soon()
+        self.running[req.rid] = t
+        return t
+
+    def first_token(self, t: Ticket) -> None:
+        if t.replica is not None:
+            self.by_rid[t.replica].first_token(t.req, self.clock())
+            if self.on_first_token is not None:
+                self.on_first_token(t)
+
+    def tokens(self, t: Ticket, n: int) -> None:
+        """n more tokens generated for a running request."""
+        if t.replica is None or n <= 0:
+            return
+        self.by_rid[t.replica].token(n)
+        self.scheduler.ordering.on_service(t.req, n, self.clock())
+        t.req.len_bound = max(t.req.len_bound - n, 1.0)
+        if t.track is not None and t.req.generated - t.last_refine >= self.refine_every:
+            t.last_refine = t.req.generated
+            self._to_predict[t.req.rid] = t  # refined with the next decision's batch
+
+    def release(self, t: Ticket, goodput: float = 0.0, completed: bool = True) -> None:
+        """The request left its replica (finished, failed or cancelled)."""
+        now = self.clock()
+        self.running.pop(t.req.rid, None)
+        self._to_predict.pop(t.req.rid, None)
+        if t.replica is not None:
+            self.by_rid[t.replica].release(t.req, now)
+            if self.on_release is not None:
+                self.on_release(t)
+        self.scheduler.ordering.on_finish(t.req, now, goodput)
+        if completed and t.track is not None and self.predictor is not None and t.req.generated > 0:
+            self.predictor.observe(t.track, t.req.generated)
+        self._schedule_soon()
+
+    # ------------------------------------------------------------------ deciding
+    def _schedule_soon(self) -> None:
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._run_soon)
+
+    def _run_soon(self) -> None:
+        self._soon = None
+        try:
+            self._schedule()
+        except Exception:
+            log.exception("scheduling failed")
+
+    def _predict(self) -> None:
+        if not self._to_predict or self.predictor is None:
+            return
+        ts = [t for t in self._to_predict.values() if t.track is not None]
+        self._to_predict.clear()
+        bound, med = self.predictor.predict([t.track for t in ts], [t.req.generated for t in ts],  # type: ignore[misc]
+                                            [t.req.max_tokens for t in ts])
+        for t, b, m in zip(ts, bound.tolist(), med.tolist(), strict=True):
+            t.req.len_bound = float(b)
+            t.req.len_mean = float(t.req.generated + m)
+
+    def _schedule(self) -> None:
+        t0 = time.perf_counter()
+        now = self.clock()
+        self._predict()
+        for rid, t in list(self.waiting.items()):
+            if t.fut.done():
+                self.waiting.pop(rid, None)
+            elif now > t.wait_until and t.req.kind is not SLOClass.BEST_EFFORT:
+                self._refuse(t, "waiting_time_exceeded")
+        if self.waiting and any(v.free for v in self.views):
+            d = self.scheduler.schedule(now, [t.req for t in self.waiting.values()], self.views)
+            for req, reason in d.shed:
+                t = self.waiting.get(req.rid)
+                if t is not None:
+                    self._refuse(t, reason)
+            for req, rid in d.dispatch:
+                t = self.waiting.pop(req.rid, None)
+                if t is None or t.fut.done():
+                    self.by_rid[rid].release(req, now)  # its client left meanwhile
+                    continue
+                req.dispatched_at = now
+                req.replica = rid
+                t.fut.set_result(rid)
+            # d.preempt: live preemption (abort and requeue) is not done by the gateway yet.
+        if self.on_decision is not None:
+            self.on_decision(time.perf_counter() - t0)
+
+    def _refuse(self, t: Ticket, reason: str) -> None:
+        self.waiting.pop(t.req.rid, None)
+        self._to_predict.pop(t.req.rid, None)
+        if not t.fut.done():
+            msg = {"waiting_time_exceeded": "not admitted within its waiting time", "slo_unattainable": "its SLO cannot be met at the current load"}
+            t.fut.set_exception(APIError(429, f"request refused: {msg.get(reason, reason)}", code=reason, retry_after=self.retry_after()))
+        if self.on_refused is not None:
+            self.on_refused(t, reason)

@@ -1,0 +1,278 @@
+"""Gateway configuration: one YAML file, environment overrides, validated by pydantic.
+
+```yaml
+backends:
+  - url: http://127.0.0.1:8001
+    models: [llama-3.1-8b]        # empty: discovered from the backend's /v1/models
+    budget: 48                    # requests the gateway keeps in flight there
+    kind: vllm                    # vllm | sglang | openai
+    priority_scheduling: false    # started with --scheduling-policy priority: pass `priority`
+policies: {ordering: gmax, placement: gorouting, frame_s: 0.3}
+slo:
+  default: {kind: auto, ttft_ms: 2000, tbt_ms: 100, deadline_ms: 20000, waiting_ms: 5000}
+  models: {llama-3.1-8b: {tbt_ms: 80}}
+tiers: {default: {weight: 1}, high: {weight: 2, slo: {ttft_ms: 1000}}}
+service_tiers: {priority: high, flex: low}
+```
+Environment variables (`ENV_OVERRIDES`) override the file. Every key is documented in
+docs/reference/configuration.md, generated from these models (`slogate reference`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from slogate.router.latency import DEFAULT_PROFILE
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BackendConfig(_Strict):
+    url: str = Field(description="Base URL of the OpenAI-compatible server (http:// or https://, without /v1).")
+    models: list[str] = Field(default_factory=list, description="Models served there; empty: discovered from its `/v1/models` (and re-read by the health check).")
+    budget: int = Field(48, ge=1, le=100_000, description="Requests the gateways keep in flight there at most (all gateways together when state is shared).")
+    kind: Literal["vllm", "sglang", "openai"] = Field("vllm", description="Engine kind: vllm | sglang | openai (any other OpenAI-compatible server).")
+    priority_scheduling: bool = Field(False, description="The engine runs with `--scheduling-policy priority`: the request's tier is passed as `priority`.")
+    name: str | None = Field(None, description="Label in metrics and logs; default: host:port.")
+    api_key: str | None = Field(None, description="Sent upstream as a bearer token (hosted OpenAI-compatible APIs).")
+    kv_cache_tokens: int | None = Field(None, ge=1, description="The replica's KV cache in tokens (bounds the gateway's picture of its prefix cache); "
+                                        "default: read from vLLM's /metrics (`vllm:cache_config_info`), else `prefix.kv_tokens`.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"backend url must start with http:// or https://, got {v!r}")
+        return v.rstrip("/")
+
+
+class SLOSpec(_Strict):
+    """Defaults (or overrides) for the SLO fields; None = inherit."""
+
+    kind: Literal["auto", "latency", "deadline", "best_effort"] | None = Field(
+        None, description="SLO class: latency (TTFT + TBT), deadline (whole answer), best_effort; auto: latency when streaming, else deadline.")
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, ms (latency class).")
+    tbt_ms: float | None = Field(None, gt=0, description="Time between tokens, ms (latency class).")
+    deadline_ms: float | None = Field(None, gt=0, description="Deadline for the full answer, ms (deadline class).")
+    waiting_ms: float | None = Field(None, gt=0, description="Longest wait for admission before a 429, ms.")
+
+
+class SLOConfig(_Strict):
+    default: SLOSpec = Field(default_factory=lambda: SLOSpec(kind="auto", ttft_ms=2000, tbt_ms=100, deadline_ms=20_000, waiting_ms=5_000),
+                             description="SLO of a request that names none (JITServe's evaluation defaults).")
+    models: dict[str, SLOSpec] = Field(default_factory=dict, description="Per-model overrides of the default, by model id.")
+    best_effort_deadline_ms: float = Field(600_000, gt=0, description="Deadline the scheduler gives best-effort requests, so they are never starved; they wait this long for admission.")
+    workflow_deadline_ms: float = Field(120_000, gt=0, description="Deadline of an agent workflow that does not give one, from its first call.")
+
+
+class TierConfig(_Strict):
+    weight: float = Field(1.0, gt=0, description="Priority weight in goodput (PROSERVE's tier weight): a weight-2 token counts twice.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="This tier's SLO defaults (above the model's, below the request's).")
+
+
+class PolicyConfig(_Strict):
+    ordering: str = Field("gmax", description="Ordering / admission policy: gmax, fcfs, edf, sjf, ltr, plas, slide, priority, vtc, sa.")
+    placement: str = Field("gorouting", description="Placement policy: gorouting, pok, least-load, round-robin, random, p2c.")
+    frame_s: float = Field(0.3, gt=0, le=10, description="Scheduling frame Δ, s: the queue is re-decided at least this often.")
+    params: dict[str, float] = Field(default_factory=dict, description="Ordering parameters, e.g. gmax `{fairness: 0.2, delta: 1}`.")
+    profile: str = Field(DEFAULT_PROFILE, description="Batch latency profile the replica model starts from (corrected online by β).")
+    seed: int = Field(0, description="Seed of randomised policies (random, p2c, sa).")
+
+    @field_validator("ordering", "placement")
+    @classmethod
+    def _known_policy(cls, v: str, info: ValidationInfo) -> str:
+        from slogate.router.registry import check_policy
+
+        return check_policy(str(info.field_name), v)
+
+
+class PredictorConfig(_Strict):
+    model_path: str | None = Field(None, description="Length model from `slogate train-predictor`; none: a cold-start quantile of observed lengths.")
+    quantile: float = Field(0.9, gt=0.5, lt=1, description="Quantile of the answer-length upper bound.")
+    refine_every: int = Field(50, ge=1, description="Re-predict a running request's bound every this many generated tokens.")
+    online: bool = Field(True, description="Retrain on completed requests (in a worker process; a worse model is rejected).")
+    retrain_every: int = Field(2000, ge=50, description="Completed requests between online retrains.")
+
+
+class StateConfig(_Strict):
+    kind: Literal["memory", "redis"] = Field("memory", description="memory: this process only; redis: per-replica slots shared by every gateway.")
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (kind redis).")
+    prefix: str = Field("slogate", description="Key prefix; gateways with the same prefix act as one.")
+    lease_s: float = Field(15.0, gt=0, description="A crashed gateway's claims expire after this, s.")
+    sync_s: float = Field(0.1, gt=0, description="How often other gateways' load is read, s.")
+    timeout_s: float = Field(0.25, gt=0, description="A slower Redis call counts as an outage (the gateway serves on local state).")
+
+
+class CapacityConfig(_Strict):
+    """Each replica's budget learned from measured inter-token times (router/capacity.py)."""
+
+    learn: bool = Field(True, description="Learn each replica's SLO-safe concurrency online; `backends[].budget` stays the upper bound.")
+    margin: float = Field(0.85, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
+    engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "
+                                 "each health check: traffic that bypasses the gateway takes from the budget; a full KV cache stops admission.")
+
+
+class PrefixConfig(_Strict):
+    """Where each replica's prefix cache is (router/prefix.py), learned from what was sent where."""
+
+    enabled: bool = Field(True, description="Track each replica's prefix cache: placement and the latency model count only the part of a prompt "
+                          "the replica does not already hold.")
+    block_chars: int = Field(128, ge=16, le=65_536, description="Prompt characters per block (about 32 tokens of English); hits count whole blocks.")
+    kv_tokens: int = Field(100_000, ge=1, description="A replica's KV cache in tokens where neither `backends[].kv_cache_tokens` nor its /metrics says.")
+
+
+class KeyConfig(_Strict):
+    """One API key, stored as the SHA-256 hex of the key (the key itself never is)."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 hex of the key (`slogate hash-key`); the key itself is never stored.")
+    tenant: str = Field(description="Tenant name in logs and rate limits.")
+    tier: str = Field("default", description="The key's tier; authoritative (a request cannot lift itself into another).")
+    models: list[str] = Field(default_factory=list, description="Models the key may use; empty: every model.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="This key's SLO defaults (above the tier's).")
+    slo_floor: SLOSpec = Field(default_factory=SLOSpec, description="The strictest SLO the key may ask for; stricter asks are clamped to it.")
+    rpm: int | None = Field(None, ge=1, description="Requests per minute (shared across gateways with Redis state).")
+    tpm: int | None = Field(None, ge=1, description="Tokens per minute: prompt estimate + max output.")
+
+
+class AuthConfig(_Strict):
+    enabled: bool = Field(False, description="Require `Authorization: Bearer <key>` on /v1/*.")
+    keys: list[KeyConfig] = Field(default_factory=list, description="The API keys.")
+    admin_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the key for /admin/*; none: /admin is disabled (403).")
+
+
+class PacingConfig(_Strict):
+    enabled: bool = Field(True, description="Hold a few tokens of latency streams back to hide engine stalls from the client.")
+    ceiling: float = Field(0.8, gt=0, le=1, description="Never hold a token past its TBT timeline at this fraction of the TBT "
+                           "(mean TPOT ≤ max(the engine's, ceiling × TBT)).")
+    reserve_tbts: float = Field(4.0, ge=0, le=100, description="Hold no token longer than this many TBTs (the stall reserve; "
+                                "the answer ends at most this much after the engine's last token).")
+    build: float = Field(0.25, ge=0, le=1, description="While the reserve grows, release at most this much slower than the engine makes tokens.")
+    default_slo: bool = Field(False, description="Pace streams whose TBT is only `slo.default` too (off: a client that sends no SLO "
+                              "gets tokens as fast as the engine makes them).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
+
+
+class GatewayConfig(_Strict):
+    backends: list[BackendConfig] = Field(default_factory=list, description="The engine replicas.")
+    policies: PolicyConfig = Field(default_factory=PolicyConfig, description="Scheduling policies.")
+    slo: SLOConfig = Field(default_factory=SLOConfig, description="Default SLOs.")
+    tiers: dict[str, TierConfig] = Field(default_factory=lambda: {"default": TierConfig()}, description="Priority tiers by name (`default` always exists).")
+    service_tiers: dict[str, str] = Field(default_factory=lambda: {"auto": "default", "default": "default"},
+                                          description="OpenAI `service_tier` value → tier name.")
+    predictor: PredictorConfig = Field(default_factory=PredictorConfig, description="Answer-length predictor.")
+    max_queue: int = Field(2000, ge=1, description="Requests waiting per model at most; beyond: 503 + Retry-After.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; beyond: 413.")
+    retries: int = Field(2, ge=0, le=10, description="Other replicas tried after a connect error or 5xx before the first byte.")
+    connect_timeout_s: float = Field(3.0, gt=0, description="Upstream connect timeout, s.")
+    first_byte_timeout_s: float = Field(600.0, gt=0, description="Non-streamed requests: longest wait for a replica's answer, s.")
+    stream_idle_timeout_s: float = Field(60.0, gt=0, description="Streamed requests: longest silence from a replica (headers, then between chunks), s; "
+                                         "before the first byte the request is retried elsewhere, after it the stream ends with an error event.")
+    keepalive_s: float = Field(5.0, gt=0, description="A stream silent this long gets an SSE comment so proxies keep it open, s.")
+    pacing: PacingConfig = Field(default_factory=lambda: PacingConfig(),
+                                 description="The smoothing buffer for latency streams (`true` / `false` turn it on / off).")
+    health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")
+    shutdown_grace_s: float = Field(30.0, gt=0, description="On SIGTERM, requests in flight get this long to finish before they are cut, s.")
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Learned per-replica budgets.")
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="Prefix-cache-aware placement.")
+    state: StateConfig = Field(default_factory=StateConfig, description="Where per-replica load is kept.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
+
+    @field_validator("tiers")
+    @classmethod
+    def _has_default(cls, v: dict[str, TierConfig]) -> dict[str, TierConfig]:
+        v.setdefault("default", TierConfig())
+        return v
+
+
+# Environment overrides (applied over the file by `load_config`; documented from here).
+ENV_OVERRIDES: dict[str, str] = {
+    "SLOGATE_CONFIG": "path of the YAML config when `slogate serve` gets no `--config`",
+    "SLOGATE_BACKENDS": "comma-separated backend URLs; replaces `backends` (models are discovered)",
+    "SLOGATE_ORDERING": "`policies.ordering`",
+    "SLOGATE_PLACEMENT": "`policies.placement`",
+    "SLOGATE_FRAME_S": "`policies.frame_s`",
+    "SLOGATE_MAX_QUEUE": "`max_queue`",
+    "SLOGATE_REDIS_URL": "`state.url`, and sets `state.kind: redis`",
+    "SLOGATE_PREDICTOR_MODEL": "`predictor.model_path`",
+}
+
+
+# `slogate serve` flags for the knobs a user tries first: flag → (config key, what it sets).
+# They override the file and the environment (`apply_flags`); documented from here.
+CLI_FLAGS: dict[str, tuple[str, str]] = {
+    "--backend URL": ("backends", "repeatable; replaces `backends` (models are discovered from each `/v1/models`)"),
+    "--ordering NAME": ("policies.ordering", "ordering / admission policy"),
+    "--placement NAME": ("policies.placement", "placement policy"),
+    "--budget N": ("backends[].budget", "every backend's budget (the upper bound when budgets are learned)"),
+    "--learn-budget / --no-learn-budget": ("capacity.learn", "learn each replica's SLO-safe concurrency, or keep `budget` fixed"),
+    "--pacing / --no-pacing": ("pacing.enabled", "the smoothing buffer for latency streams"),
+    "--ttft-ms MS": ("slo.default.ttft_ms", "default time to first token"),
+    "--tbt-ms MS": ("slo.default.tbt_ms", "default time between tokens"),
+    "--deadline-ms MS": ("slo.default.deadline_ms", "default deadline of a whole answer"),
+    "--waiting-ms MS": ("slo.default.waiting_ms", "default longest wait for admission"),
+    "--redis-url URL": ("state.url", "share per-replica state through this Redis (sets `state.kind: redis`)"),
+    "--prefix-index / --no-prefix-index": ("prefix.enabled", "place by where each replica's prefix cache is"),
+}
+
+
+def apply_flags(cfg: GatewayConfig, *, backends: list[str] | None = None, ordering: str | None = None, placement: str | None = None,
+                budget: int | None = None, learn_budget: bool | None = None, pacing: bool | None = None, ttft_ms: float | None = None,
+                tbt_ms: float | None = None, deadline_ms: float | None = None, waiting_ms: float | None = None,
+                redis_url: str | None = None, prefix_index: bool | None = None) -> GatewayConfig:
+    """`cfg` with the command line's values over it (None: not given); validated like the file,
+    so a bad value fails with the config key it maps to."""
+    raw = cfg.model_dump()
+    if backends:
+        raw["backends"] = [{"url": u} for u in backends]
+    pol = raw["policies"]
+    pol.update({k: v for k, v in (("ordering", ordering), ("placement", placement)) if v is not None})
+    if budget is not None:
+        for b in raw["backends"]:
+            b["budget"] = budget
+    if learn_budget is not None:
+        raw["capacity"]["learn"] = learn_budget
+    if pacing is not None:
+        raw["pacing"]["enabled"] = pacing
+    slo = raw["slo"]["default"]
+    slo.update({k: v for k, v in (("ttft_ms", ttft_ms), ("tbt_ms", tbt_ms), ("deadline_ms", deadline_ms), ("waiting_ms", waiting_ms))
+                if v is not None})
+    if redis_url is not None:
+        raw["state"].update(kind="redis", url=redis_url)
+    if prefix_index is not None:
+        raw["prefix"]["enabled"] = prefix_index
+    return GatewayConfig.model_validate(raw)
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None) -> GatewayConfig:
+    """Read the YAML file (if any), then apply SLOGATE_* environment overrides."""
+    env = dict(os.environ if env is None else env)
+    raw: dict = {}
+    if path:
+        text = Path(path).read_text()
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: the config must be a YAML mapping")
+    if env.get("SLOGATE_BACKENDS"):
+        raw["backends"] = [{"url": u.strip()} for u in env["SLOGATE_BACKENDS"].split(",") if u.strip()]
+    pol = raw.setdefault("policies", {})
+    for key, field in (("SLOGATE_ORDERING", "ordering"), ("SLOGATE_PLACEMENT", "placement"), ("SLOGATE_FRAME_S", "frame_s")):
+        if env.get(key):
+            pol[field] = env[key]
+    if env.get("SLOGATE_MAX_QUEUE"):
+        raw["max_queue"] = env["SLOGATE_MAX_QUEUE"]
+    if env.get("SLOGATE_REDIS_URL"):
+        raw.setdefault("state", {}).update(kind="redis", url=env["SLOGATE_REDIS_URL"])
+    if env.get("SLOGATE_PREDICTOR_MODEL"):
+        raw.setdefault("predictor", {})["model_path"] = env["SLOGATE_PREDICTOR_MODEL"]
+    return GatewayConfig.model_validate(raw)

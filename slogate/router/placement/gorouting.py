@@ -1,0 +1,152 @@
+"""GoRouting (PROSERVE §4.3, Alg. 2): gain-oriented, capability-aware dispatch.
+
+For each replica p with room: Δ_p = gain(Q_p ∪ {req}) − gain(Q_p), where Q_p is p's prefill
+queue and gain counts the TDG value of every queued request whose first token still fits
+before its due time under the aggressive estimate φ_a (all of Q finishes together, eq. 8)
+plus the decode load n_d·b_d. Candidates C = {p : Δ_p ≥ α·Δ_max}. If Δ_max > 0: the most
+idle light replica (exec < μ·SLO) if any; else the *busiest* candidate that is not heavy
+(exec with req > λ·SLO), keeping light replicas free for future long / high-priority
+requests (the over-balancing fix); else the least loaded candidate. If no replica can
+meet the SLO (Δ_max ≤ 0) we take the least loaded one — the paper falls back to random,
+which under overload only adds queueing.
+
+`GoRoutingPD` is the prefill/decode-disaggregated variant: a prefill replica by the same
+rule over the prefill pool, and the decode replica with the most free KV blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from slogate.router.placement.base import PlacementPolicy
+from slogate.router.request import Request, SLOClass
+from slogate.router.view import ReplicaView
+
+
+def first_token_budget(req: Request, now: float, v_token: float) -> float:
+    """Seconds left until req's first token is due (for deadline classes: to still finish)."""
+    if req.kind is SLOClass.LATENCY:
+        return req.ttft_deadline - now
+    return req.deadline_at - req.remaining_bound * v_token - now
+
+
+class GoRouting(PlacementPolicy):
+    name = "gorouting"
+
+    def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
+                 wait_for_cache: float = 0.2, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
+        self.wait_for_cache = wait_for_cache  # share of the prompt a full holder must hold more than any free replica (0: never wait)
+
+    def _value(self, r: Request) -> float:
+        return r.tier.weight * (self.w_p + self.w_d * r.remaining_bound)
+
+    def _done_in(self, now: float, p: ReplicaView, work: float, min_remain: float) -> float:
+        """φ_a: the whole prefill queue is assumed done after its total exec (eq. 8), with
+        t_budget = the smallest remaining time in the queue capped by a TPOT SLO (100 ms)
+        and floored at 2·t_c; lag-compensated, plus the decode load n_d·b_d."""
+        m = p.model
+        t_budget = max(min(min_remain, 0.1), 2 * m.t_c)
+        phi_a = t_budget / (t_budget - m.t_c) * work
+        return max(phi_a - (now - p.ts_prefill), 0.0) + p.n_decode * m.b_d
+
+    def _fitting_value(self, now: float, p: ReplicaView, work: float, budgets: list[float], values: list[float]) -> float:
+        """ESTIMATEGAIN core: Σ value of queued requests whose budget covers φ_a(work)."""
+        if not budgets:
+            return 0.0
+        done = self._done_in(now, p, work, min(budgets))
+        return sum(val for val, b in zip(values, budgets, strict=True) if done <= b)
+
+    def gains(self, now: float, p: ReplicaView, req: Request, cached: int | None = None) -> tuple[float, float]:
+        """(pre_gain, post_gain): TDG value of queued requests whose first token fits, without
+        and with `req` — the queue's budgets and values are computed once for both. `req` adds
+        only the prefill its prompt's cached prefix on p (`cached` tokens) does not save."""
+        v = p.token_time(0)
+        queue = list(p.prefill_queue.values())
+        budgets = [first_token_budget(r, now, v) for r in queue]
+        values = [self._value(r) for r in queue]
+        work = p.model.beta_p * p.prefill_raw
+        pre = self._fitting_value(now, p, work, budgets, values)
+        post_work = work + p.prefill_cost(req, cached)
+        post = self._fitting_value(now, p, post_work, [*budgets, first_token_budget(req, now, v)], [*values, self._value(req)])
+        return pre, post
+
+    def estimate_gain(self, now: float, p: ReplicaView, queue: list[Request]) -> float:
+        """ESTIMATEGAIN(Q) for an arbitrary queue on replica p (used by tests and tools)."""
+        v = p.token_time(0)
+        work = sum(p.model.prefill_time(r.context_tokens) for r in queue)
+        return self._fitting_value(now, p, work, [first_token_budget(r, now, v) for r in queue], [self._value(r) for r in queue])
+
+    def _choose(self, now: float, req: Request, pool: Sequence[ReplicaView]) -> ReplicaView | None:
+        if not pool:
+            return None
+        deltas, hits = [], []
+        for p in pool:
+            c = p.cached_tokens(req)
+            pre, post = self.gains(now, p, req, c)
+            deltas.append(post - pre)
+            hits.append(c)
+        d_max = max(deltas)
+        if d_max <= 0:  # nobody meets it: the earliest first token, its cached prefix counted
+            return self.argmin_random_ties(pool, lambda p: p.estimate_exec(now, req))
+        # Among replicas where the goodput arithmetic finds it (nearly) as good, the one holding
+        # most of its prompt: the prefill it saves is bandwidth every later request gets. The
+        # holder drops out of the candidates once its queue would break someone's SLO.
+        near = [(p, c) for p, d, c in zip(pool, deltas, hits, strict=True) if d >= self.alpha * d_max]
+        best_hit = max(c for _, c in near)
+        cands = [p for p, c in near if c == best_hit]
+        slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
+        light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
+        if light:
+            return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
+        not_heavy = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
+        if not_heavy:
+            return max(not_heavy, key=lambda p: p.estimate_exec(now))
+        return self.argmin_random_ties(cands, lambda p: p.estimate_exec(now))
+
+    def busy_holder(self, now: float, req: Request, replicas: Sequence[ReplicaView], room: Sequence[ReplicaView]) -> ReplicaView | None:
+        """A replica with no free slot that holds much more of `req`'s prompt than any replica with
+        room, if `req` can wait for its next free slot and still have its first token in time: the
+        request is better left waiting for it (the scheduler fills the free slot with another)."""
+        if not req.prefix or self.wait_for_cache <= 0:
+            return None
+        full = [p for p in replicas if p.healthy and p.free == 0 and p.cache is not None and p.role != "decode"]
+        if not full:
+            return None
+        hits = [p.cached_tokens(req) for p in full]
+        best = max(hits)
+        if best - max((p.cached_tokens(req) for p in room), default=0) < self.wait_for_cache * req.input_tokens:
+            return None
+        holder = full[hits.index(best)]
+        v = holder.token_time(0)
+        # Its next free slot: the running request with the least left to generate (a bound).
+        left = min((r.remaining_bound for r in holder.decoding.values()), default=0.0)
+        wait = left * v + holder.prefill_backlog(now)
+        first = wait + holder.prefill_cost(req, best) + holder.model.t_c
+        return holder if first <= first_token_budget(req, now, v) else None
+
+    def place(self, now: float, req: Request, replicas: Sequence[ReplicaView]) -> ReplicaView | None:
+        room = self.with_room(replicas)
+        if self.busy_holder(now, req, replicas, room) is not None:
+            return None
+        return self._choose(now, req, room)
+
+
+class GoRoutingPD(GoRouting):
+    """P/D-disaggregated GoRouting: returns the prefill replica; `place_pair` gives both."""
+
+    name = "gorouting-pd"
+
+    def place(self, now: float, req: Request, replicas: Sequence[ReplicaView]) -> ReplicaView | None:
+        pair = self.place_pair(now, req, replicas)
+        return pair[0] if pair else None
+
+    def place_pair(self, now: float, req: Request, replicas: Sequence[ReplicaView]) -> tuple[ReplicaView, ReplicaView] | None:
+        prefill = [p for p in replicas if p.role == "prefill" and p.free > 0]
+        decode = [p for p in replicas if p.role == "decode" and p.healthy]
+        p_inst = self._choose(now, req, prefill)
+        if p_inst is None or not decode:
+            return None
+        d_inst = max(decode, key=lambda p: (p.free_kv_blocks if p.free_kv_blocks is not None else -p.inflight))
+        return p_inst, d_inst

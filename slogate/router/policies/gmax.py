@@ -1,0 +1,260 @@
+"""GMAX — Grouped Margin Goodput Maximization (JITServe §4.2, Alg. 1), at the gateway.
+
+For every waiting request r (vectorised with numpy, O(N log N) per decision):
+  t_gen(r)   = prefill time of its context + len_rem(r)·v_token        (upper-bound work)
+  goodput(r) = what completing it can still earn under its SLO: latency → output tokens that
+               can still meet their timeline; deadline / compound / best effort → input +
+               output tokens if t_gen fits before the deadline, else 0 — times tier weight,
+               plus δ per frame waited (starvation guard)
+  priority   = goodput / t_gen, optionally blended with fairness: (1−f)·p̂ + f·Fair(tenant)
+Batch choice: keep candidates with priority ≥ p·priority of the B-th best (B = free slots),
+sort them by input length and take the window of B with the largest total priority. The
+cutoff p is picked per frame Δ by an ε-greedy bandit over a few values, rewarded by the
+goodput realised in that frame. At frame boundaries, a running request is preempted (and
+requeued, its tokens kept) only when a waiting one's priority exceeds it by the threshold
+and the goodput gained exceeds the goodput lost to the recompute stall.
+Requests whose SLO can no longer earn anything are shed (the gateway answers 429).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
+
+from slogate.router.policies.base import OrderingPolicy, Selection
+from slogate.router.request import BEST_EFFORT_CODE, LATENCY_CODE, N_STATIC, Request, SLOClass
+from slogate.router.view import ReplicaView, best_cached, fleet_speed
+
+_STATIC = attrgetter("static")
+_DYNAMIC = attrgetter("arrival", "input_tokens", "generated", "len_bound")
+
+
+class GMAX(OrderingPolicy):
+    name = "gmax"
+
+    def __init__(
+        self,
+        frame_s: float = 0.3,
+        delta: float = 1.0,
+        fairness: float = 0.0,
+        cutoffs: Sequence[float] = (0.5, 0.7, 0.85, 0.95, 1.0),
+        explore: float = 0.1,
+        preempt: bool = True,
+        preempt_threshold: float = 0.1,
+        max_preempt_per_frame: int = 2,
+        jit: bool = False,
+        urgency_s: float = 2.0,
+        seed: int = 0,
+    ) -> None:
+        self.frame_s = frame_s
+        self.delta = delta
+        self.fairness = fairness
+        self.cutoffs = tuple(cutoffs)
+        self.explore = explore
+        self.preempt = preempt
+        self.preempt_threshold = preempt_threshold
+        self.max_preempt_per_frame = max_preempt_per_frame
+        self.jit = jit
+        self.urgency_s = urgency_s
+        self.rng = random.Random(seed)
+        self.arm_value = [0.0] * len(self.cutoffs)
+        self.arm_pulls = [0] * len(self.cutoffs)
+        self.arm = len(self.cutoffs) - 2  # start at the paper's 0.95
+        self.frame_start: float | None = None
+        self.frame_reward = 0.0
+        self.served: dict[str, float] = {}  # tenant -> weighted tokens served (fairness)
+
+    @property
+    def cutoff(self) -> float:
+        return self.cutoffs[self.arm]
+
+    # -- feedback -----------------------------------------------------------------------
+    def on_service(self, req: Request, tokens: int, now: float) -> None:
+        if self.fairness > 0:
+            self.served[req.tenant] = self.served.get(req.tenant, 0.0) + tokens / max(req.tier.weight, 1e-9)
+
+    def on_finish(self, req: Request, now: float, goodput: float) -> None:
+        self.frame_reward += goodput
+
+    def _new_frame(self, now: float) -> bool:
+        """Close the frame if Δ has passed: credit the arm, pick the next one (ε-greedy)."""
+        if self.frame_start is None:
+            self.frame_start = now
+            return True
+        if now - self.frame_start < self.frame_s:
+            return False
+        rate = self.frame_reward / max(now - self.frame_start, 1e-9)
+        a = self.arm
+        self.arm_pulls[a] += 1
+        self.arm_value[a] += (rate - self.arm_value[a]) / min(self.arm_pulls[a], 20)
+        if self.rng.random() < self.explore:
+            self.arm = self.rng.randrange(len(self.cutoffs))
+        else:
+            self.arm = max(range(len(self.cutoffs)), key=lambda i: (self.arm_value[i], -abs(i - a)))
+        self.frame_start, self.frame_reward = now, 0.0
+        return True
+
+    # -- estimates ------------------------------------------------------------------------
+    @staticmethod
+    def features(reqs: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """(static, dynamic) feature arrays of `reqs`: one gather per decision."""
+        n = len(reqs)
+        # fromiter over a flat chain: about twice as fast as np.array of a list of tuples.
+        st = np.fromiter(chain.from_iterable(map(_STATIC, reqs)), dtype=np.float64, count=N_STATIC * n).reshape(n, N_STATIC)
+        dyn = np.fromiter(chain.from_iterable(map(_DYNAMIC, reqs)), dtype=np.float64, count=4 * n).reshape(n, 4)
+        return st, dyn
+
+    def estimate(
+        self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView], expected: bool = False,
+        feats: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Return (priority, goodput, t_gen, expired, slack) arrays for `reqs`.
+
+        slack: how long the request can still wait before its SLO needs it started —
+        to its TTFT for latency requests, to deadline − t_gen otherwise (−inf if infeasible);
+        +inf for requests that cannot be urgent (see `select`).
+        `expected`: use the point estimate of the remaining length instead of the upper bound."""
+        _, model, v = fleet_speed(replicas)
+        n = len(reqs)
+        st, dyn = feats if feats is not None else self.features(reqs)
+        kind, ttft, tbt, dl, wf_dl, w, cap, _wait = st.T
+        arrival, inp, gen, bound = dyn.T
+        ctx = inp + gen
+        if expected:
+            bound = np.fromiter((r.len_mean for r in reqs), dtype=np.float64, count=n) - gen
+        L = np.minimum(np.maximum(bound, 1.0), np.maximum(cap - gen, 0.0))
+        wf_tokens = np.fromiter((r.workflow.tokens_done if r.workflow is not None else 0 for r in reqs), dtype=np.float64, count=n)
+        c = model.coeffs
+        # Prefill of what the best replica's prefix cache does not hold (its attention over the
+        # cached part still costs): a long conversation whose history is cached is cheap.
+        hit = np.fromiter((best_cached(r, replicas, now, self.frame_s) for r in reqs), dtype=np.float64, count=n)
+        new = ctx - np.minimum(hit, ctx)
+        pf = model.beta_p * (c.a_p * new * new + c.b_p * new * hit + c.c_p * new) + model.t_c
+        t_gen = pf + L * v
+        is_lat = kind == LATENCY_CODE
+        # Latency: tokens i ≥ i0 can still meet arrival + TTFT + i·TBT when decoding at v.
+        late = now + pf - (arrival + ttft + gen * tbt)
+        slack_rate = np.maximum(tbt - v, 1e-9)
+        i0 = np.where(late <= 0, 0.0, np.where(tbt > v, np.ceil(late / slack_rate), L))
+        lat_good = np.maximum(L - i0, 0.0)
+        # Deadline-type: all-or-nothing on the (sub-)deadline; a compound call that misses
+        # its stage sub-deadline but still fits the workflow deadline keeps half its value.
+        # Best effort is never worthless: it keeps its value past its default deadline and
+        # becomes urgent (slack ≤ 0) as that deadline nears, so it cannot starve.
+        is_be = kind == BEST_EFFORT_CODE
+        fits = (now + t_gen <= dl) | is_be
+        fits_wf = (wf_dl > 0) & (now + t_gen <= wf_dl)
+        dl_value = ctx + L + wf_tokens
+        dl_good = dl_value * np.where(fits, 1.0, np.where(fits_wf, 0.5, 0.0))
+        goodput = w * np.where(is_lat, lat_good, dl_good)
+        frames = np.maximum(now - arrival, 0.0) / self.frame_s
+        priority = (goodput + self.delta * frames) / np.maximum(t_gen, 1e-6)
+        # Expired: nothing can be earned any more.
+        hard_dl = np.where(wf_dl > 0, wf_dl, dl)
+        expired = np.where(is_lat, lat_good <= 0, (now + pf >= hard_dl) & ~is_be)
+        if self.fairness > 0 and n:
+            share = np.fromiter((self.served.get(r.tenant, 0.0) for r in reqs), dtype=np.float64, count=n)
+            top = share.max()
+            fair = 1.0 - share / top if top > 0 else np.ones(n)
+            pmax = priority.max()
+            priority = (1 - self.fairness) * (priority / pmax if pmax > 0 else priority) + self.fairness * fair
+        slack = np.where(is_lat, arrival + ttft - now - pf, np.where(fits, dl - now - t_gen, -np.inf))
+        # Never urgent: requests with nothing to protect, and (unless `jit`) all but best effort.
+        slack = np.where((goodput > 0) & (is_be | self.jit), slack, np.inf)
+        return priority, goodput, t_gen, expired, slack
+
+    # -- decision ---------------------------------------------------------------------------
+    def select(self, now: float, waiting: Sequence[Request], slots: int, replicas: Sequence[ReplicaView]) -> Selection:
+        frame_edge = self._new_frame(now)
+        sel = Selection()
+        if not waiting:
+            return sel
+        waiting = list(waiting)
+        feats = self.features(waiting)
+        prio, good, _t_gen, expired, slack = self.estimate(now, waiting, replicas, feats=feats)
+        st, dyn = feats
+        too_long = now - dyn[:, 0] > st[:, 7]  # waited past its waiting_s (inf when unset) …
+        for i in np.flatnonzero(too_long):
+            too_long[i] = waiting[i].dispatched_at is None  # … before it was ever dispatched
+        sel.shed = [(waiting[i], "slo_unattainable") for i in np.flatnonzero(expired)]
+        sel.shed += [(waiting[i], "waiting_time_exceeded") for i in np.flatnonzero(too_long & ~expired)]
+        alive = np.flatnonzero(~expired & ~too_long)
+        if alive.size and slots > 0:
+            # Requests that must start within `urgency_s` go first, spare slots to the rest.
+            # By default only best effort can be urgent (near its default deadline, so it never
+            # starves); `jit` makes every class eligible, which puts each 2 s-TTFT request
+            # ahead of denser deadline work and cost 4–14% token goodput in simulation.
+            urgent = alive[slack[alive] <= self.urgency_s]
+            first = self._group(urgent, prio, waiting, slots) if urgent.size else []
+            picked = [waiting[i] for i in first]
+            chosen = list(first)
+            if len(picked) < slots:
+                rest = alive[~np.isin(alive, chosen)]
+                if rest.size:
+                    second = self._group(rest, prio, waiting, slots - len(picked))
+                    chosen += second
+                    picked += [waiting[i] for i in second]
+            sel.dispatch = picked
+        else:
+            chosen = []
+        if self.preempt and frame_edge and alive.size:
+            by_prio = alive[np.argsort(-prio[alive])]
+            rest = list(by_prio[~np.isin(by_prio, chosen)])
+            sel.preempt = self._preemptions(now, rest, prio, good, waiting, replicas)
+        return sel
+
+    def _group(self, alive: np.ndarray, prio: np.ndarray, waiting: list[Request], B: int) -> list[int]:
+        """Alg. 1 lines 16–26: cutoff filter, then the best input-length window of size B."""
+        if alive.size <= B:
+            return list(alive[np.argsort(-prio[alive])])
+        p_alive = prio[alive]
+        bp = np.partition(p_alive, -B)[-B]  # B-th highest priority
+        cand = alive[p_alive >= self.cutoff * bp]
+        if cand.size <= B:
+            top = alive[np.argsort(-p_alive)[:B]]
+            return list(top)
+        lengths = np.fromiter((waiting[i].context_tokens for i in cand), dtype=np.float64, count=cand.size)
+        cand = cand[np.argsort(lengths, kind="stable")]
+        csum = np.concatenate(([0.0], np.cumsum(prio[cand])))
+        window = csum[B:] - csum[:-B]
+        start = int(np.argmax(window))
+        group = cand[start : start + B]
+        return list(group[np.argsort(-prio[group])])
+
+    def _preemptions(
+        self, now: float, rest: list[int], prio: np.ndarray, good: np.ndarray, waiting: list[Request], replicas: Sequence[ReplicaView]
+    ) -> list[Request]:
+        """Cost-aware preemption: swap a running request for a waiting one only when worth it."""
+        out: list[Request] = []
+        if not rest:
+            return out
+        for p in replicas:
+            if len(out) >= self.max_preempt_per_frame or not rest:
+                break
+            if p.free > 0:
+                continue
+            # A latency stream is being read by a person: pausing it is a visible stall, so
+            # only requests that are not paced to a reader can be preempted.
+            running = [r for r in p.decoding.values() if r.slo.kind is not SLOClass.LATENCY]
+            if not running:
+                continue
+            # Conservative bounds decide admission; killing work needs the victim to look
+            # hopeless even at its expected length, or bound slack would preempt good work.
+            r_prio, r_good, _, _, _ = self.estimate(now, running, [p], expected=True)
+            j = int(np.argmin(r_prio))
+            w = rest[0]
+            if prio[w] <= r_prio[j] * (1 + self.preempt_threshold):
+                continue
+            victim = running[j]
+            # goodput_loss = stall_duration × token_generation_speed on that replica
+            stall = p.model.prefill_time(victim.context_tokens) + p.model.t_c
+            speed = max(p.n_decode, 1) / p.token_time(0)
+            loss = stall * speed
+            if good[w] - r_good[j] > loss:
+                out.append(victim)
+                rest.pop(0)
+        return out

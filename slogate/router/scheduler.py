@@ -1,0 +1,63 @@
+"""Composes an ordering policy with a placement policy into dispatch / shed / preempt decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from slogate.router.placement.base import PlacementPolicy
+from slogate.router.policies.base import OrderingPolicy
+from slogate.router.registry import make_ordering, make_placement, parse_combo
+from slogate.router.request import Request
+from slogate.router.view import ReplicaView
+
+
+@dataclass(slots=True)
+class Decisions:
+    dispatch: list[tuple[Request, int]] = field(default_factory=list)  # (request, replica id)
+    shed: list[tuple[Request, str]] = field(default_factory=list)
+    preempt: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Pure: `schedule` reads the views, claims slots on them for what it dispatches, and
+    returns the decisions; the driver carries them out."""
+
+    def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy) -> None:
+        self.ordering = ordering
+        self.placement = placement
+
+    @classmethod
+    def from_combo(cls, combo: str, seed: int = 0) -> Scheduler:
+        o, p = parse_combo(combo)
+        return cls(make_ordering(o, seed=seed), make_placement(p, seed=seed))
+
+    @property
+    def name(self) -> str:
+        return f"{self.ordering.name}+{self.placement.name}"
+
+    def schedule(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> Decisions:
+        slots = sum(p.free for p in replicas if p.role != "decode")
+        sel = self.ordering.select(now, waiting, slots, replicas)
+        out = Decisions(shed=sel.shed, preempt=sel.preempt)
+        taken: set[int] = set()  # dispatched, or chosen and left waiting by the placement (e.g. for the replica holding its prefix)
+        for _ in range(3):
+            declined = False
+            for req in sel.dispatch:
+                taken.add(req.rid)
+                target = self.placement.place(now, req, replicas)
+                if target is None:
+                    declined = True
+                    continue
+                target.claim(req, now)
+                out.dispatch.append((req, target.rid))
+            slots = sum(p.free for p in replicas if p.role != "decode")
+            if not declined or not slots:
+                break
+            # A slot the placement declined to fill goes to the next request in the ordering's eyes.
+            gone = taken | {r.rid for r, _ in out.shed}
+            rest = [r for r in waiting if r.rid not in gone]
+            if not rest:
+                break
+            sel = self.ordering.select(now, rest, slots, replicas)
+        return out

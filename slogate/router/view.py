@@ -1,0 +1,161 @@
+"""What the decision core knows about each replica: the gateway's own bookkeeping.
+
+PROSERVE's PrefillQueueMap (dispatched requests still waiting for their first token, with
+the timestamp of the last update for lag compensation) and decode counter n_d, plus the
+concurrency budget. Drivers mutate it through `claim` / `first_token` / `release`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from slogate.router.latency import BatchLatencyModel
+from slogate.router.prefix import PrefixCache, hit_tokens
+from slogate.router.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class ReplicaView:
+    rid: int
+    model: BatchLatencyModel
+    budget: int = 64  # max requests the gateway keeps in flight on this replica
+    role: str = "both"  # "both" (co-located), "prefill" or "decode" (P/D disaggregated)
+    healthy: bool = True
+    prefill_queue: dict[int, Request] = field(default_factory=dict)
+    decoding: dict[int, Request] = field(default_factory=dict)
+    decode_kv: int = 0  # KV tokens held by decoding requests (approx., from counts)
+    ts_prefill: float = 0.0  # last update of prefill_queue (lag compensation)
+    prefill_ctx: int = 0  # Σ context tokens in prefill_queue (kept incrementally: O(1) reads)
+    prefill_work_raw: float = 0.0  # Σ uncorrected prefill time of prefill_queue
+    free_kv_blocks: int | None = None  # scraped from the engine where available
+    # Load other gateways put here (from the shared store; zero in the simulator).
+    remote_prefill: int = 0
+    remote_decode: int = 0
+    remote_kv: int = 0
+    remote_prefill_raw: float = 0.0
+    solo: set[int] = field(default_factory=set)  # dispatched to an empty prefill queue: their TTFT times a prefill
+    cache: PrefixCache | None = None  # where this replica's prefix cache is (None: not tracked)
+    kv_block: int = 0  # the engine's KV block in tokens where known: it caches whole blocks only
+
+    @property
+    def inflight(self) -> int:
+        return self.local_inflight + self.remote_prefill + self.remote_decode
+
+    @property
+    def local_inflight(self) -> int:
+        """Requests this gateway itself has in flight here."""
+        return len(self.prefill_queue) + len(self.decoding)
+
+    @property
+    def n_decode(self) -> int:
+        return len(self.decoding) + self.remote_decode
+
+    @property
+    def prefill_raw(self) -> float:
+        """Uncorrected prefill work queued here, ours and other gateways'."""
+        return self.prefill_work_raw + self.remote_prefill_raw
+
+    def set_remote(self, prefill: int, decode: int, kv: int, prefill_raw: float) -> None:
+        self.remote_prefill, self.remote_decode, self.remote_kv, self.remote_prefill_raw = prefill, decode, kv, prefill_raw
+
+    @property
+    def free(self) -> int:
+        return max(self.budget - self.inflight, 0) if self.healthy else 0
+
+    def cached_tokens(self, req: Request) -> int:
+        """Prompt tokens of `req` this replica's prefix cache holds, as far as the gateway knows."""
+        if self.cache is None or not req.prefix:
+            return 0
+        hit = hit_tokens(self.cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
+        return hit - hit % self.kv_block if self.kv_block > 1 else hit
+
+    def prefill_cost(self, req: Request, cached: int | None = None) -> float:
+        """Corrected prefill time of `req` here: only the part its cache does not hold."""
+        c = self.cached_tokens(req) if cached is None else cached
+        return self.model.prefill_time(req.context_tokens - c, c)
+
+    def _enqueue(self, req: Request) -> None:
+        self.prefill_queue[req.rid] = req
+        n = req.context_tokens
+        self.prefill_ctx += n
+        self.prefill_work_raw += self.model.raw_prefill(n - req.cached, req.cached)
+
+    def _dequeue(self, req: Request, now: float) -> bool:
+        if self.prefill_queue.pop(req.rid, None) is None:
+            return False
+        n = req.context_tokens
+        self.prefill_ctx = max(self.prefill_ctx - n, 0)
+        raw = self.model.raw_prefill(n - req.cached, req.cached)
+        self.prefill_work_raw = max(self.prefill_work_raw - raw, 0.0) if self.prefill_queue else 0.0
+        if not self.prefill_queue:
+            self.prefill_ctx = 0
+        self.ts_prefill = now
+        return True
+
+    def claim(self, req: Request, now: float) -> None:
+        req.replica = self.rid
+        req.dispatched_at = now
+        req.cached = self.cached_tokens(req)
+        if self.cache is not None and req.prefix:
+            self.cache.insert(req.prefix)  # its prompt is computed here next: later prompts hit it
+        if not self.prefill_queue and not self.remote_prefill:
+            self.solo.add(req.rid)
+        self._enqueue(req)
+        self.ts_prefill = now
+
+    def first_token(self, req: Request, now: float) -> None:
+        if req.rid in self.solo and req.dispatched_at is not None:
+            # Dispatched to an empty prefill queue: nothing ahead of it, so its first token
+            # times the replica's prefill (what arrived later queued behind it).
+            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens - req.cached, req.cached)
+        self.solo.discard(req.rid)
+        self._dequeue(req, now)
+        self.decoding[req.rid] = req
+        self.decode_kv += req.context_tokens
+
+    def token(self, n: int = 1) -> None:
+        self.decode_kv += n
+
+    def release(self, req: Request, now: float) -> None:
+        self.solo.discard(req.rid)
+        self._dequeue(req, now)
+        if self.decoding.pop(req.rid, None) is not None:
+            self.decode_kv = max(self.decode_kv - req.context_tokens, 0)
+
+    # -- estimates --------------------------------------------------------------------
+    def token_time(self, extra_seqs: int = 1, extra_kv: int = 0) -> float:
+        """Estimated time per output token if `extra_seqs` more sequences joined."""
+        n = self.n_decode + len(self.prefill_queue) + self.remote_prefill + extra_seqs
+        return self.model.decode_step_time(n, self.decode_kv + self.remote_kv + self.prefill_ctx + extra_kv)
+
+    def prefill_backlog(self, now: float) -> float:
+        """Seconds of prefill work queued here, lag-compensated (PROSERVE §4.3)."""
+        work = self.model.beta_p * self.prefill_raw
+        return max(work - (now - self.ts_prefill), 0.0) if work else 0.0
+
+    def estimate_exec(self, now: float, extra: Request | None = None) -> float:
+        """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
+        t = self.prefill_backlog(now) + self.n_decode * self.model.b_d
+        if extra is not None:
+            t += self.prefill_cost(extra) + self.model.t_c
+        return t
+
+
+def best_cached(req: Request, replicas: Sequence[ReplicaView], now: float, max_age: float) -> int:
+    """The most prompt tokens of `req` any replica holds: what its prefill costs where it can go
+    best. Refreshed at most every `max_age` s (caches change slowly; a lookup per replica per
+    decision would cost a queue of thousands milliseconds)."""
+    if not req.prefix:
+        return 0
+    if now - req.best_cached_at >= max_age:
+        req.best_cached = max((p.cached_tokens(req) for p in replicas if p.cache is not None), default=0)
+        req.best_cached_at = now
+    return req.best_cached
+
+
+def fleet_speed(replicas: Sequence[ReplicaView]) -> tuple[list[ReplicaView], BatchLatencyModel, float]:
+    """Healthy replicas (all if none is), the latency model to price prefills with, and the
+    mean per-token time over them — what cluster-wide orderings estimate with."""
+    live = [p for p in replicas if p.healthy] or list(replicas)
+    return live, live[0].model, sum(p.token_time() for p in live) / len(live)

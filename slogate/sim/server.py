@@ -1,0 +1,446 @@
+"""A simulated vLLM engine behind an OpenAI-compatible HTTP API, in real time.
+
+The simulator's `EngineSim` (continuous batching, chunked prefill, KV blocks, recompute
+preemption; step time from the batch latency model) is stepped by an asyncio task on the wall
+clock, so token timing reacts to load as a real engine's does. It serves `/v1/chat/completions`,
+`/v1/completions` and `/v1/responses` (streaming and not, `stream_options.include_usage` and
+`continuous_usage_stats`),
+`/v1/models`, `/health` and vLLM-style `/metrics` (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`). Like vLLM it honours `max_tokens`,
+`ignore_eos` (exact lengths) and, with priority scheduling on, the `priority` field (lower
+first); a client that disconnects aborts its sequence. Without `ignore_eos` the answer length
+is drawn from a log-normal seeded by the prompt, so the same prompt gets the same length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import random
+import struct
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from slogate.router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel
+from slogate.router.prefix import BLOCK_CHARS, text_block_hashes
+from slogate.router.request import SLO
+from slogate.router.request import Request as CoreRequest
+from slogate.sim.engine import BLOCK, EngineSim, Seq
+
+_SLO = SLO.best_effort()
+
+
+class RealtimeEngine:
+    """EngineSim stepped on the wall clock. `time_scale` > 1 slows it down (e.g. to make a
+    fast profile saturate at a rate a test can produce)."""
+
+    def __init__(self, profile: str = DEFAULT_PROFILE, max_num_seqs: int = 64, max_batched_tokens: int = 512,
+                 kv_capacity_tokens: int = 400_000, time_scale: float = 1.0, priority_scheduling: bool = False) -> None:
+        self.eng = EngineSim(0, BatchLatencyModel(PROFILES[profile]), max_num_seqs, max_batched_tokens, kv_capacity_tokens)
+        self.time_scale = time_scale
+        self.priority_scheduling = priority_scheduling
+        self._ids = itertools.count()
+        self._queues: dict[int, asyncio.Queue[int | None]] = {}
+        self._prio: dict[int, tuple[int, int]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.aborted = 0
+        self.finished = 0
+        self.peak = 0  # most requests ever in the engine at once (running + waiting)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @property
+    def running(self) -> int:
+        return len(self.eng.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.eng.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        e = self.eng
+        return 1.0 - e.free_blocks / max(e.total_blocks, 1)
+
+    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = ()) -> tuple[int, asyncio.Queue[int | None]]:
+        rid = next(self._ids)
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+        self._queues[rid] = q
+        creq = CoreRequest(rid, time.monotonic(), max(prompt_tokens, 1), _SLO, prefix=prefix, tokens_per_block=BLOCK_CHARS / 4)
+        seq = Seq(creq, max(out_tokens, 1))
+        if self.priority_scheduling:
+            key = (priority, rid)
+            self._prio[rid] = key
+            w = self.eng.waiting
+            pos = next((i for i, s in enumerate(w) if self._prio.get(s.req.rid, (0, 0)) > key), len(w))
+            w.insert(pos, seq)
+        else:
+            self.eng.add(seq)
+        self.peak = max(self.peak, len(self.eng.running) + len(self.eng.waiting))
+        self._wake.set()
+        return rid, q
+
+    def abort(self, rid: int) -> None:
+        if self._queues.pop(rid, None) is not None and self.eng.abort(rid) is not None:
+            self.aborted += 1
+        self._prio.pop(rid, None)
+
+    async def _run(self) -> None:
+        eng = self.eng
+        while True:
+            dt = eng.start_step(time.monotonic())
+            if dt is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await asyncio.sleep(dt * self.time_scale)
+            for s in eng.finish_step():
+                rid = s.req.rid
+                s.req.generated += 1
+                q = self._queues.get(rid)
+                if q is not None:
+                    q.put_nowait(s.req.generated)
+                if s.req.generated >= s.true_len:
+                    eng.remove(s)
+                    self._prio.pop(rid, None)
+                    if self._queues.pop(rid, None) is not None:
+                        q.put_nowait(None)  # type: ignore[union-attr]
+                        self.finished += 1
+
+
+class FixedLatencyEngine:
+    """Each request on its own timer: first token after `ttft_s`, then one every `itl_s`,
+    whatever the load — the yardstick for measuring what a proxy adds (like guidellm's mock
+    server). Same interface as RealtimeEngine."""
+
+    def __init__(self, ttft_s: float, itl_s: float, priority_scheduling: bool = False, jitter: float = 0.0,
+                 stall_p: float = 0.0, stall_s: float = 0.0, seed: int = 0) -> None:
+        """`jitter`: each gap is itl·(1 ± jitter), uniform; `stall_p`: the chance that a gap
+        is a stall of `stall_s` instead (another request's prefill, a preemption)."""
+        self.ttft_s, self.itl_s = ttft_s, itl_s
+        self.jitter, self.stall_p, self.stall_s = jitter, stall_p, stall_s
+        self.rng = random.Random(seed)
+        self.priority_scheduling = priority_scheduling
+        self._ids = itertools.count()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self.eng = EngineSim(0, BatchLatencyModel(PROFILES[DEFAULT_PROFILE]))  # for the preemption counter only
+        self.aborted = 0
+        self.finished = 0
+        self.peak = 0
+
+    def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        for t in list(self._tasks.values()):
+            t.cancel()
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    waiting = 0
+    kv_usage = 0.0
+
+    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = ()) -> tuple[int, asyncio.Queue[int | None]]:
+        rid = next(self._ids)
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+
+        self.peak = max(self.peak, len(self._tasks) + 1)
+
+        async def emit() -> None:
+            loop = asyncio.get_running_loop()
+            t = loop.time() + self.ttft_s
+            for i in range(1, max(out_tokens, 1) + 1):
+                await asyncio.sleep(max(t - loop.time(), 0))
+                q.put_nowait(i)
+                t += self.stall_s if self.rng.random() < self.stall_p else self.itl_s * (1 + self.jitter * (2 * self.rng.random() - 1))
+            q.put_nowait(None)
+            self._tasks.pop(rid, None)
+            self.finished += 1
+
+        self._tasks[rid] = asyncio.get_running_loop().create_task(emit())
+        return rid, q
+
+    def abort(self, rid: int) -> None:
+        t = self._tasks.pop(rid, None)
+        if t is not None and not t.done():
+            t.cancel()
+            self.aborted += 1
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if isinstance(body.get("messages"), list):
+        parts = []
+        for m in body["messages"]:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                parts.append(c)
+            elif isinstance(c, list):
+                parts.extend(str(p.get("text", "")) for p in c if isinstance(p, dict))
+        return "\n".join(parts)
+    p = body.get("prompt", body.get("input", ""))
+    return p if isinstance(p, str) else json.dumps(p)
+
+
+def answer_length(text: str, max_tokens: int | None, ignore_eos: bool, median: float = 120.0, sigma: float = 0.8) -> int:
+    cap = max_tokens if max_tokens and max_tokens > 0 else 1024
+    if ignore_eos:
+        return cap
+    seed = int.from_bytes(hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest(), "little")
+    n = round(median * math.exp(random.Random(seed).gauss(0.0, sigma)))
+    return max(1, min(n, cap))
+
+
+def _err(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}, "object": "error"}, status_code=status)
+
+
+def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0,
+                      fixed_kw: dict[str, Any] | None = None, **engine_kw: Any) -> FastAPI:
+    """`fixed_ttft_ms` set: a fixed-latency engine (FixedLatencyEngine, `fixed_kw`: its jitter
+    and stalls) instead of the batch model."""
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if fixed_ttft_ms is not None:
+            state["engine"] = FixedLatencyEngine(fixed_ttft_ms / 1000, fixed_itl_ms / 1000, engine_kw.get("priority_scheduling", False),
+                                                 **(fixed_kw or {}))
+        else:
+            state["engine"] = RealtimeEngine(**engine_kw)
+        state["engine"].start()
+        yield
+        await state["engine"].stop()
+
+    app = FastAPI(title="slogate simulated engine", lifespan=lifespan)
+
+    def engine() -> RealtimeEngine:
+        return state["engine"]
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "slogate-sim", "max_model_len": 8192}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        e = engine()
+        lab = f'{{model_name="{model}"}}'
+        text = (f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{lab} {e.running}\n"
+                f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{lab} {e.waiting}\n"
+                f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lab} {e.kv_usage:.4f}\n"
+                f"# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{lab} {e.eng.preemptions}\n"
+                f"# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{lab} {e.eng.prefix_queries}\n"
+                f"# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{lab} {e.eng.prefix_hits}\n"
+                f'# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size="{BLOCK}",num_gpu_blocks="{e.eng.total_blocks}"}} 1.0\n'
+                f"# TYPE slogate_sim_aborted_total counter\nslogate_sim_aborted_total{lab} {e.aborted}\n"
+                f"# TYPE slogate_sim_finished_total counter\nslogate_sim_finished_total{lab} {e.finished}\n"
+                f"# TYPE slogate_sim_peak_requests gauge\nslogate_sim_peak_requests{lab} {e.peak}\n")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def _body(request: Request) -> dict[str, Any] | JSONResponse:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _err(400, "invalid JSON body")
+        if not isinstance(body, dict):
+            return _err(400, "the body must be a JSON object")
+        if body.get("model") != model:
+            return _err(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+        prio = body.get("priority", 0)
+        if prio and not engine().priority_scheduling:
+            return _err(400, "Priority scheduling is not enabled.", param="priority")
+        return body
+
+    def _tokens(body: dict[str, Any], max_key: str) -> tuple[int, int, AsyncIterator[int]]:
+        text = _prompt_text(body)
+        n_in = len(text) // 4 + 1
+        n_out = answer_length(text, body.get(max_key) or body.get("max_completion_tokens"), bool(body.get("ignore_eos")))
+        e = engine()
+        # Prefix caching on the prompt's text blocks (4 characters a token, as n_in counts).
+        rid, q = e.submit(n_in, n_out, int(body.get("priority") or 0), text_block_hashes(text))
+
+        async def gen() -> AsyncIterator[int]:
+            try:
+                while True:
+                    i = await q.get()
+                    if i is None:
+                        return
+                    yield i
+            finally:
+                e.abort(rid)  # no-op when it finished; frees the sequence on disconnect
+
+        return n_in, n_out, gen()
+
+    def _usage(n_in: int, n_out: int, responses: bool = False) -> dict[str, int]:
+        if responses:
+            return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+    def _sse(obj: dict[str, Any] | str) -> bytes:
+        return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+    async def _complete(request: Request, chat: bool) -> Any:
+        """Chat completions and legacy completions: the same flow, different shapes."""
+        body = await _body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        n_in, n_out, toks = _tokens(body, "max_tokens")
+        cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        finish = "length" if body.get("max_tokens") and n_out >= body["max_tokens"] else "stop"
+
+        def piece(text: str | None, fin: str | None, whole: bool = False) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fin}
+            if whole:
+                return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin}
+            return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": fin}
+
+        if not body.get("stream"):
+            # Like vLLM's `with_cancellation`: a client that leaves aborts its sequence.
+            async def count() -> int:
+                n = 0
+                async for _ in toks:
+                    n += 1
+                return n
+
+            work = asyncio.ensure_future(count())
+            gone = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                await toks.aclose()  # type: ignore[attr-defined]
+                return Response(status_code=499)
+            n = work.result()
+            return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
+                    "choices": [piece("tok " * n, finish, whole=True)], "usage": _usage(n_in, n)}
+        so = body.get("stream_options") or {}
+        include_usage = bool(so.get("include_usage"))
+        continuous = include_usage and bool(so.get("continuous_usage_stats"))  # vLLM: the running count in every chunk
+
+        async def stream() -> AsyncIterator[bytes]:
+            base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
+            n = 0
+            if chat:
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            async for _ in toks:
+                n += 1
+                yield _sse({**base, "choices": [piece("tok ", None)], **({"usage": _usage(n_in, n)} if continuous else {})})
+            yield _sse({**base, "choices": [piece(None, finish)]})
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(n_in, n)})
+            yield _sse("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(request: Request) -> Any:
+        """A pooling model's answer: one unit-length vector per input, a function of the input
+        (equal inputs, equal vectors), after one prefill of all of them in the engine."""
+        body = await _body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        raw = body.get("input")
+        items = [raw] if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)) else raw
+        if not isinstance(items, list) or not items:
+            return _err(400, "input must be a string, a list of strings or a list of token lists", param="input")
+        dims = body.get("dimensions") or 16
+        if not isinstance(dims, int) or not 1 <= dims <= 16384:
+            return _err(400, "dimensions must be an integer from 1 to 16384", param="dimensions")
+        n_in = sum(len(x) if isinstance(x, list) else len(str(x)) // 4 + 1 for x in items)
+        e = engine()
+        rid, q = e.submit(n_in, 1, int(body.get("priority") or 0))
+        try:
+            await q.get()  # the prefill
+        finally:
+            e.abort(rid)
+        data = []
+        for i, x in enumerate(items):
+            seed = hashlib.sha256(json.dumps(x).encode()).digest()
+            rng = random.Random(seed)
+            vec = [rng.uniform(-1, 1) for _ in range(dims)]
+            norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+            vec = [v / norm for v in vec]
+            emb: Any = base64.b64encode(struct.pack(f"<{dims}f", *vec)).decode() if body.get("encoding_format") == "base64" else vec
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return {"object": "list", "model": model, "data": data, "usage": {"prompt_tokens": n_in, "total_tokens": n_in}}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Any:
+        return await _complete(request, chat=True)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Any:
+        return await _complete(request, chat=False)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request) -> Any:
+        body = await _body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        n_in, _, toks = _tokens(body, "max_output_tokens")
+        rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
+        msg_id = f"msg_{uuid.uuid4().hex}"
+
+        def resp(status: str, text: str, n: int | None) -> dict[str, Any]:
+            out = [{"type": "message", "id": msg_id, "status": status, "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}] if n is not None else []
+            return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status, "output": out,
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+                    "usage": _usage(n_in, n or 0, responses=True) if n is not None else None}
+
+        if not body.get("stream"):
+            n = 0
+            async for _ in toks:
+                n += 1
+            return resp("completed", "tok " * n, n)
+
+        async def stream() -> AsyncIterator[bytes]:
+            seq = itertools.count()
+
+            def ev(kind: str, **kw: Any) -> bytes:
+                return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **kw})}\n\n".encode()
+
+            yield ev("response.created", response=resp("in_progress", "", None))
+            n = 0
+            async for _ in toks:
+                n += 1
+                yield ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0, delta="tok ", logprobs=[])
+            yield ev("response.completed", response=resp("completed", "tok " * n, n))
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    return app
