@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from slogate.gateway.errors import APIError
 from slogate.predictors.features import PromptInput
 from slogate.predictors.online import OnlineLengthPredictor, Track
+from slogate.router.lifecycle import Lifecycle
 from slogate.router.request import Request, SLOClass
 from slogate.router.scheduler import Scheduler
 from slogate.router.view import ReplicaView
@@ -48,6 +49,7 @@ class Admission:
         self.scheduler = scheduler
         self.views = views
         self.by_rid = {v.rid: v for v in views}
+        self.lifecycle = Lifecycle(scheduler.ordering, views)  # the same steps the simulator takes
         self.max_queue = max_queue
         self.frame_s = frame_s
         self.predictor = predictor
@@ -149,22 +151,24 @@ class Admission:
         self.running[req.rid] = t
         return t
 
-    def first_token(self, t: Ticket) -> None:
-        if t.replica is not None:
-            self.by_rid[t.replica].first_token(t.req, self.clock())
-            if self.on_first_token is not None:
-                self.on_first_token(t)
-
-    def tokens(self, t: Ticket, n: int) -> None:
-        """n more tokens generated for a running request."""
+    def tokens(self, t: Ticket, n: int, now: float) -> float | None:
+        """n more tokens of a running request arrived at `now`; returns the gap per token since
+        the previous ones (None for the first)."""
         if t.replica is None or n <= 0:
-            return
-        self.by_rid[t.replica].token(n)
-        self.scheduler.ordering.on_service(t.req, n, self.clock())
-        t.req.len_bound = max(t.req.len_bound - n, 1.0)
+            return None
+        first = t.req.generated == 0
+        gap = self.lifecycle.tokens(t.req, n, now)
+        if first and self.on_first_token is not None:
+            self.on_first_token(t)
         if t.track is not None and t.req.generated - t.last_refine >= self.refine_every:
             t.last_refine = t.req.generated
             self._to_predict[t.req.rid] = t  # refined with the next decision's batch
+        return gap
+
+    def answered(self, t: Ticket, n: int, now: float) -> None:
+        """A non-streamed answer of n tokens arrived whole."""
+        if t.replica is not None and n > 0:
+            self.lifecycle.answered(t.req, n, now)
 
     def release(self, t: Ticket, goodput: float = 0.0, completed: bool = True) -> None:
         """The request left its replica (finished, failed or cancelled)."""
@@ -172,10 +176,11 @@ class Admission:
         self.running.pop(t.req.rid, None)
         self._to_predict.pop(t.req.rid, None)
         if t.replica is not None:
-            self.by_rid[t.replica].release(t.req, now)
+            self.lifecycle.finished(t.req, now, goodput)
             if self.on_release is not None:
                 self.on_release(t)
-        self.scheduler.ordering.on_finish(t.req, now, goodput)
+        else:
+            self.scheduler.ordering.on_finish(t.req, now, goodput)
         if completed and t.track is not None and self.predictor is not None and t.req.generated > 0:
             self.predictor.observe(t.track, t.req.generated)
         self._schedule_soon()
@@ -223,9 +228,8 @@ class Admission:
                 if t is None or t.fut.done():
                     self.by_rid[rid].release(req, now)  # its client left meanwhile
                     continue
-                req.dispatched_at = now
-                req.replica = rid
                 t.fut.set_result(rid)
+                self.lifecycle.dispatched(req, now)  # `claim` set its replica and dispatch time
             # d.preempt: live preemption (abort and requeue) is not done by the gateway yet.
         if self.on_decision is not None:
             self.on_decision(time.perf_counter() - t0)

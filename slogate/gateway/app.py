@@ -53,6 +53,7 @@ from slogate.predictors.online import OnlineLengthPredictor
 from slogate.router.capacity import CapacityLearner, learned_budget
 from slogate.router.goodput import RequestLedger
 from slogate.router.latency import PROFILES, BatchLatencyModel
+from slogate.router.lifecycle import call_goodput
 from slogate.router.prefix import PrefixCache, text_block_hashes
 from slogate.router.registry import make_ordering, make_placement
 from slogate.router.request import Request as CoreRequest
@@ -538,8 +539,7 @@ class Gateway:
                 t_end = time.monotonic()
                 for _ in range(max(n_out, 1 if content else 0)):
                     led.on_token(t_end)
-                req.generated = n_out
-                adm.tokens(ticket, n_out)
+                adm.answered(ticket, n_out, t_end)
                 self._settle(adm, ticket, led, labels, "completed", first_bound, n_in)
                 return Response(content, status_code=resp.status, media_type="application/json")
         except asyncio.CancelledError:
@@ -688,7 +688,7 @@ class Gateway:
             now = time.monotonic()
             for _ in range(req.generated - engine_led.tokens):  # tokens the last chunks carried at once
                 engine_led.on_token(now)
-            adm.release(tk, goodput=_token_goodput(engine_led) if ok else 0.0, completed=ok)
+            adm.release(tk, goodput=call_goodput(engine_led) if ok else 0.0, completed=ok)
             cur.freed = tk
 
         try:
@@ -800,25 +800,19 @@ class Gateway:
                 if info.usage_out is not None and not info.usage_only and info.usage_out > t.req.generated:
                     info.tokens = info.usage_out - t.req.generated  # several tokens in one chunk (see _upstream_body)
                 if info.tokens:
-                    now = time.monotonic()
-                    view = self.backends[t.replica].view  # type: ignore[index]
-                    if t.req.generated == 0:
-                        adm.first_token(t)
+                    b = self.backends[t.replica]  # type: ignore[index]
+                    view = b.view
+                    n, kv = view.n_decode, view.decode_kv
+                    gap = adm.tokens(t, info.tokens, time.monotonic())
+                    if gap is None:
                         first = False
-                        t.req.first_token_at = now
-                    elif t.req.last_token_at is not None and view.n_decode:
+                    elif n:
                         # Measured decode speed corrects the replica's latency model online (β).
-                        n = view.n_decode
-                        gap = (now - t.req.last_token_at) / info.tokens
-                        view.model.observe(gap, view.model.raw_decode_step_time(n, view.decode_kv // n * n))
-                        b = self.backends[t.replica]  # type: ignore[index]
+                        view.model.observe(gap, view.model.raw_decode_step_time(n, kv // n * n))
                         if b.learner is not None:
                             # Everything the engine runs shares the step: streams yet to see a first
                             # token and non-streamed answers too, not just the decoding streams.
                             b.learner.observe(view.inflight + int(b.external + 0.5), gap)
-                    t.req.last_token_at = now
-                    t.req.generated += info.tokens
-                    adm.tokens(t, info.tokens)
                 yield ev, info, time.monotonic()
 
     def _settle(self, adm: Admission, t: Ticket, led: RequestLedger, labels: tuple[str, str, str], outcome: str, first_bound: float,
@@ -826,10 +820,10 @@ class Gateway:
         req = t.req
         m = self.metrics
         if not released:
-            adm.release(t, goodput=_token_goodput(led), completed=outcome == "completed")
+            adm.release(t, goodput=call_goodput(led), completed=outcome == "completed")
         if input_tokens:  # the engine's exact count replaces our estimate (after release: the view used the estimate)
             req.input_tokens = input_tokens
-        gp = _token_goodput(led)
+        gp = call_goodput(led)
         m.requests.labels(*labels, outcome).inc()
         m.tokens.labels(*labels, "input").inc(req.input_tokens)
         m.tokens.labels(*labels, "output").inc(led.tokens)
@@ -849,13 +843,6 @@ class Gateway:
         if t.track is not None and req.generated > 0:
             m.pred_bounds.labels(labels[0]).inc()
             m.pred_covered.labels(labels[0]).inc(int(req.generated <= first_bound))
-
-
-def _token_goodput(led: RequestLedger) -> float:
-    r = led.req
-    if r.kind is SLOClass.COMPOUND:  # per call, against the workflow's deadline
-        return float(r.input_tokens + led.tokens) if led.last_at is not None and led.last_at <= r.deadline_at else 0.0
-    return led.token_goodput()
 
 
 async def _pairs(src: AsyncIterator[tuple[bytes, EventInfo | None, float]]) -> AsyncIterator[tuple[bytes, EventInfo | None]]:

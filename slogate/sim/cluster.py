@@ -19,6 +19,7 @@ from slogate.predictors.pattern_graph import PatternStore, StageNode
 from slogate.router.capacity import CapacityLearner, learned_budget
 from slogate.router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from slogate.router.latency import BatchLatencyModel, LatencyCoeffs
+from slogate.router.lifecycle import Lifecycle, call_goodput
 from slogate.router.prefix import PrefixCache
 from slogate.router.request import SLO, Request, Tier, Workflow
 from slogate.router.scheduler import Scheduler
@@ -104,6 +105,7 @@ class ClusterSim:
         ]
         # The gateway's estimator starts from the nominal profile and learns β online.
         self.views = [ReplicaView(i, BatchLatencyModel(engine.coeffs), budget=engine.budget) for i in range(n_replicas)]
+        self.lifecycle = Lifecycle(scheduler.ordering, self.views)  # the same steps the live gateway takes
         per_block = workload.tokens_per_block or workload.workflow_prefix_tokens
         if engine.prefix_index and per_block:
             blocks = max(int(engine.kv_capacity_tokens // per_block), 1)
@@ -272,7 +274,7 @@ class ClusterSim:
             self.seqs[req.rid] = seq
             eng = self.engines[rid]
             eng.add(seq)
-            self.sched.ordering.on_service(req, req.context_tokens, self.now)
+            self.lifecycle.dispatched(req, self.now)
             if not eng.busy:
                 self._start(eng)
 
@@ -305,10 +307,7 @@ class ClusterSim:
         if req.replica is None:
             return
         self.engines[req.replica].abort(req.rid)
-        self.views[req.replica].release(req, self.now)
-        req.replica = None
-        req.dispatched_at = None
-        req.preemptions += 1
+        self.lifecycle.preempted(req, self.now)
         self.preempted += 1
         self.waiting[req.rid] = req
 
@@ -320,45 +319,36 @@ class ClusterSim:
         emitted = eng.finish_step()
         now = self.now
         freed = False
-        on_service = self.sched.ordering.on_service
+        tokens = self.lifecycle.tokens
         learner = self.learners[eng.rid] if self.learners is not None else None
         for s in emitted:
             req = s.req
             led = self.ledgers[req.rid]
             led.on_token(now)
-            if req.generated == 0:
+            gap = tokens(req, 1, now)
+            if gap is None:
                 self.ttft.append(now - req.arrival)
-                view.first_token(req, now)
             else:
-                gap = now - req.last_token_at  # type: ignore[operator]
                 self.tbt.append(gap)
-                view.token(1)
                 if learner is not None:
                     learner.observe(view.inflight, gap)
-            req.generated += 1
-            req.last_token_at = now
-            if req.first_token_at is None:
-                req.first_token_at = now
-            on_service(req, 1, now)
             true_len = s.true_len
             if req.generated >= true_len:
                 eng.remove(s)
-                self._finish(req, led, view)
+                self._finish(req, led)
                 freed = True
-            else:
-                req.len_bound = max(req.len_bound - 1, 1.0)
-                if req.generated % self.est.refine_every == 0:
-                    self.est.refine(req, true_len)
+            elif req.generated % self.est.refine_every == 0:
+                self.est.refine(req, true_len)
         if n_dec:
             view.model.observe(dt, view.model.raw_decode_step_time(n_dec, kv // n_dec * n_dec))
         self._start(eng)
         if freed and self.waiting:
             self._schedule()
 
-    def _finish(self, req: Request, led: RequestLedger, view: ReplicaView) -> None:
+    def _finish(self, req: Request, led: RequestLedger) -> None:
         now = self.now
         req.finished_at = now
-        view.release(req, now)
+        self.lifecycle.finished(req, now, call_goodput(led))
         self.est.done(req)
         self.e2e.append(now - req.arrival)
         self.tokens_processed += req.input_tokens + req.generated
@@ -366,7 +356,6 @@ class ClusterSim:
         del self.ledgers[req.rid]
         if req.workflow is None:
             self.account.settle_request(led)
-            self.sched.ordering.on_finish(req, now, led.token_goodput())
             return
         run, call = self.wf_of.pop(req.rid)
         run.ledger.on_call_done(req.input_tokens, req.generated, now)
@@ -374,7 +363,6 @@ class ClusterSim:
         run.wf.calls_done += 1
         run.done.add(call.call_id)
         run.finish_at[call.call_id] = now
-        self.sched.ordering.on_finish(req, now, float(req.input_tokens + req.generated) if now <= run.wf.deadline_at else 0.0)
         if len(run.done) == len(run.spec.calls):
             run.ledger.complete = True
             self.account.settle_workflow(run.ledger, run.tier.name, run.ideal_tdg)
