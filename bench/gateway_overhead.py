@@ -1,8 +1,8 @@
 """Gateway overhead at N concurrent streams: direct to the engines vs a bare pass-through proxy
-vs slogate, side by side in one run (docs/benchmarks.md).
+vs slogate vs vllm-router (Rust), side by side in one run (docs/benchmarks.md).
 
-Starts N_ENGINES simulated engines (`slogate engine`), the bare proxy and `slogate serve` as
-separate processes, then for each target runs the same closed loop of CONCURRENCY streaming
+Starts N_ENGINES simulated engines (`slogate engine`), the bare proxy, `slogate serve` and
+vllm-router (its default policy, cache_aware; where installed) as separate processes, then for each target runs the same closed loop of CONCURRENCY streaming
 clients (httpx, each request max_tokens=TOKENS with ignore_eos) for DURATION seconds, and
 reports TTFT percentiles, the added TTFT vs direct, and streamed tokens per second.
 
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=3.0, help="engine step-time multiplier (keeps 2 cores from saturating)")
     ap.add_argument("--fixed-ttft-ms", type=float, help="fixed-latency engines: TTFT independent of load, so a proxy's addition shows")
     ap.add_argument("--fixed-itl-ms", type=float, default=50.0)
+    ap.add_argument("--burst", action="store_true", help="no stagger: all clients start together, so every request "
+                    "arrives in a burst of CONCURRENCY simultaneous ones")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     procs: list[subprocess.Popen[bytes]] = []
@@ -138,12 +141,21 @@ def main() -> None:
         targets = {"direct": ([f"{u}/v1/chat/completions" for u in eng_urls], {}),
                    "passthrough": (f"http://127.0.0.1:{pp}/v1/chat/completions", {}),
                    "slogate": (f"http://127.0.0.1:{gp}/v1/chat/completions", {})}
+        proxies = {"slogate": gw, "passthrough": pt}
+        if shutil.which("vllm-router"):
+            vp = free_port()
+            vr = spawn(["vllm-router", "--host", "127.0.0.1", "--port", str(vp), "--worker-urls", *eng_urls, "--log-level", "warning"])
+            procs.append(vr)
+            wait_up(f"http://127.0.0.1:{vp}/health", timeout=60)
+            targets["vllm-router"] = (f"http://127.0.0.1:{vp}/v1/chat/completions", {})
+            proxies["vllm-router"] = vr
         runs: dict[str, list[dict]] = {k: [] for k in targets}
         for rep in range(a.repeats):
             for name, (url, extra) in targets.items():
-                proxy = {"slogate": gw, "passthrough": pt}.get(name)
+                proxy = proxies.get(name)
                 c0 = cpu_seconds(proxy.pid) if proxy else 0.0
                 stagger = (a.fixed_ttft_ms or 0) / 1e3 + a.tokens * a.fixed_itl_ms / 1e3 if a.fixed_ttft_ms is not None else 2.0
+                stagger = 0.0 if a.burst else stagger
                 r = asyncio.run(closed_loop(url, a.concurrency, a.duration, a.tokens, extra, stagger))
                 if proxy:
                     r["proxy_cpu_s"] = round(cpu_seconds(proxy.pid) - c0, 2)
@@ -157,6 +169,9 @@ def main() -> None:
             "passthrough_added_ttft_p50_ms": round(med["passthrough"]["ttft_p50_ms"] - med["direct"]["ttft_p50_ms"], 2),
             "throughput_vs_passthrough": round(med["slogate"]["tokens_per_s"] / med["passthrough"]["tokens_per_s"], 3),
         }
+        if "vllm-router" in med:
+            summary |= {"vllm_router_added_ttft_p50_ms": round(med["vllm-router"]["ttft_p50_ms"] - med["direct"]["ttft_p50_ms"], 2),
+                        "vllm_router_added_ttft_p99_ms": round(med["vllm-router"]["ttft_p99_ms"] - med["direct"]["ttft_p99_ms"], 2)}
         print(json.dumps(summary, indent=1))
         if a.out:
             a.out.write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "runs": runs, "median": med, "summary": summary}, indent=1))
