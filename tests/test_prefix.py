@@ -179,7 +179,7 @@ def test_hits_round_down_to_the_engines_kv_block():
 
 
 def test_engine_gauges_read_vllms_cache_config():
-    from slogate.gateway.app import _engine_gauges
+    from slogate.gateway.fleet import engine_gauges as _engine_gauges
 
     text = ('vllm:num_requests_running{model_name="m"} 3.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
             'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'

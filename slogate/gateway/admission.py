@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from slogate.gateway.errors import APIError
@@ -42,9 +42,32 @@ class Ticket:
     last_refine: int = 0
 
 
+class AdmissionHooks:
+    """What the gateway around an admission queue is told, and asked: no-ops by default."""
+
+    shared = False  # every dispatch must be confirmed (`confirm`) against the other gateways
+
+    async def confirm(self, t: Ticket) -> bool:
+        """Claim the slot the local decision took, atomically across gateways (False: another
+        gateway took the last slot)."""
+        return True
+
+    def refused(self, t: Ticket, reason: str) -> None:
+        """`t` was refused (429 / 503) for `reason`."""
+
+    def decided(self, seconds: float) -> None:
+        """One scheduling decision took `seconds`."""
+
+    def released(self, t: Ticket) -> None:
+        """`t` gave its replica slot back."""
+
+    def first_token(self, t: Ticket) -> None:
+        """`t` got its first token: prefill is over."""
+
+
 class Admission:
-    def __init__(self, scheduler: Scheduler, views: list[ReplicaView], *, max_queue: int = 2000, frame_s: float = 0.3,
-                 predictor: OnlineLengthPredictor | None = None, refine_every: int = 50,
+    def __init__(self, scheduler: Scheduler, views: list[ReplicaView], *, hooks: AdmissionHooks | None = None, max_queue: int = 2000,
+                 frame_s: float = 0.3, predictor: OnlineLengthPredictor | None = None, refine_every: int = 50,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.scheduler = scheduler
         self.views = views
@@ -61,13 +84,7 @@ class Admission:
         self._to_predict: dict[int, Ticket] = {}
         self._soon: asyncio.Handle | None = None
         self._frames: asyncio.Task[None] | None = None
-        self.on_refused: Callable[[Ticket, str], None] | None = None
-        self.on_decision: Callable[[float], None] | None = None
-        # Shared state: confirm a local decision with an atomic claim in the store (False: another
-        # gateway took the last slot), and hand releases / first tokens to it.
-        self.confirm: Callable[[Ticket], Awaitable[bool]] | None = None
-        self.on_release: Callable[[Ticket], None] | None = None
-        self.on_first_token: Callable[[Ticket], None] | None = None
+        self.hooks = hooks or AdmissionHooks()
 
     def new_rid(self) -> int:
         return next(self._ids)
@@ -129,14 +146,13 @@ class Admission:
                     self.by_rid[t.fut.result()].release(req, self.clock())
                     self._schedule_soon()
                 raise
-            if self.confirm is None:
+            if not self.hooks.shared:
                 break
             try:
-                ok = await self.confirm(t)
+                ok = await self.hooks.confirm(t)
             except asyncio.CancelledError:
                 self.by_rid[t.replica].release(req, self.clock())
-                if self.on_release is not None:
-                    self.on_release(t)  # the claim may have landed before the cancel
+                self.hooks.released(t)  # the claim may have landed before the cancel
                 raise
             if ok:
                 break
@@ -158,8 +174,8 @@ class Admission:
             return None
         first = t.req.generated == 0
         gap = self.lifecycle.tokens(t.req, n, now)
-        if first and self.on_first_token is not None:
-            self.on_first_token(t)
+        if first:
+            self.hooks.first_token(t)
         if t.track is not None and t.req.generated - t.last_refine >= self.refine_every:
             t.last_refine = t.req.generated
             self._to_predict[t.req.rid] = t  # refined with the next decision's batch
@@ -177,8 +193,7 @@ class Admission:
         self._to_predict.pop(t.req.rid, None)
         if t.replica is not None:
             self.lifecycle.finished(t.req, now, goodput)
-            if self.on_release is not None:
-                self.on_release(t)
+            self.hooks.released(t)
         else:
             self.scheduler.ordering.on_finish(t.req, now, goodput)
         if completed and t.track is not None and self.predictor is not None and t.req.generated > 0:
@@ -231,8 +246,7 @@ class Admission:
                 t.fut.set_result(rid)
                 self.lifecycle.dispatched(req, now)  # `claim` set its replica and dispatch time
             # d.preempt: live preemption (abort and requeue) is not done by the gateway yet.
-        if self.on_decision is not None:
-            self.on_decision(time.perf_counter() - t0)
+        self.hooks.decided(time.perf_counter() - t0)
 
     def _refuse(self, t: Ticket, reason: str) -> None:
         self.waiting.pop(t.req.rid, None)
@@ -240,5 +254,4 @@ class Admission:
         if not t.fut.done():
             msg = {"waiting_time_exceeded": "not admitted within its waiting time", "slo_unattainable": "its SLO cannot be met at the current load"}
             t.fut.set_exception(APIError(429, f"request refused: {msg.get(reason, reason)}", code=reason, retry_after=self.retry_after()))
-        if self.on_refused is not None:
-            self.on_refused(t, reason)
+        self.hooks.refused(t, reason)

@@ -1,0 +1,68 @@
+"""One client request on its way through the gateway, and what to undo if it ends early."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+from starlette.requests import Request
+
+from slogate.gateway.admission import Admission, Ticket
+from slogate.gateway.slo import Resolved
+from slogate.router.goodput import RequestLedger
+from slogate.router.request import Request as CoreRequest
+
+
+@dataclass(eq=False, slots=True)
+class Exchange:
+    kind: str  # which OpenAI / vLLM endpoint (schema.PATHS)
+    adm: Admission  # the model's admission queue
+    req: CoreRequest
+    res: Resolved
+    labels: tuple[str, str, str]  # model, tier, SLO class: every metric's labels
+    stream: bool
+    big: bool  # a body large enough to be encoded off the event loop
+    ticket: Ticket | None = None  # the ticket holding a replica slot now (None: no slot held)
+    resp: aiohttp.ClientResponse | None = None  # the upstream response open now
+    freed: Ticket | None = None  # a paced stream's ticket, its slot given back when the engine finished
+    first_bound: float = 0.0  # the length bound at dispatch (the predictor's coverage metric)
+    client_usage: tuple[bool, bool] = (False, False)  # the client asked for the usage chunk / usage in every chunk
+    led: RequestLedger | None = None  # what the client received, when
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class Disconnect:
+    """While open: a client that disconnects cancels the handler task (its wait in the queue,
+    for the upstream's headers, for a whole answer) and `gone` says so. One watcher task, no
+    per-step tasks on the hot path. The StreamingResponse watches the client itself afterwards."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.gone = False
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[Disconnect]:
+        handler = asyncio.current_task()
+
+        def on_disconnect(w: asyncio.Task[None]) -> None:
+            if not w.cancelled() and w.exception() is None and handler is not None:
+                self.gone = True
+                handler.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(_disconnected(self.request))
+        watcher.add_done_callback(on_disconnect)
+        try:
+            yield self
+        finally:
+            watcher.remove_done_callback(on_disconnect)
+            watcher.cancel()

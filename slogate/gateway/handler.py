@@ -1,0 +1,293 @@
+"""The gateway: one admission queue per model over the fleet, and a request's way through it.
+
+Request path: read and validate the body (size limit, JSON, OpenAI shape) → resolve SLO / tier /
+workflow (`slo.py`) → wait in the model's admission queue (`admission.py`) until the ordering and
+placement policies give it a replica → open the upstream request (`upstream.py`, retrying on
+another replica on a connect error or a 5xx before the first byte) → relay the engine's events
+(`relay.py`, paced for latency streams), counting tokens and their times for goodput, the
+replica's view and the length predictor → release the slot and settle metrics. A client that
+disconnects — while queued, while waiting for the upstream, or mid-stream — closes the upstream
+request and frees the slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import zlib
+from typing import Any
+
+import aiohttp
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from slogate.gateway.admission import Admission, AdmissionHooks, Ticket
+from slogate.gateway.auth import Authenticator
+from slogate.gateway.config import GatewayConfig
+from slogate.gateway.errors import APIError, as_openai_error, error_body
+from slogate.gateway.exchange import Disconnect, Exchange
+from slogate.gateway.fleet import Fleet
+from slogate.gateway.metrics import Metrics
+from slogate.gateway.pacing import Pacer
+from slogate.gateway.relay import Relay, usage_of
+from slogate.gateway.schema import POOLING, validate_body
+from slogate.gateway.slo import Resolved, WorkflowRegistry, resolve
+from slogate.gateway.statesync import StateSync
+from slogate.gateway.upstream import Upstream
+from slogate.predictors.features import PromptInput, prompt_from_body
+from slogate.predictors.online import OnlineLengthPredictor
+from slogate.router.goodput import RequestLedger
+from slogate.router.prefix import text_block_hashes
+from slogate.router.registry import make_ordering, make_placement
+from slogate.router.request import Request as CoreRequest
+from slogate.router.request import SLOClass
+from slogate.router.scheduler import Scheduler
+
+log = logging.getLogger("slogate.gateway")
+
+JSON_IN_THREAD = 256 * 1024  # bodies larger than this are parsed / encoded off the event loop
+HASH_IN_THREAD = 64 * 1024  # prompts longer than this (characters) are cut into prefix blocks off the loop (~0.15 ms)
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class _Hooks(AdmissionHooks):
+    """A model's admission queue reports to the metrics and to the shared state."""
+
+    def __init__(self, model: str, metrics: Metrics, state: StateSync) -> None:
+        self.model, self.metrics, self.state = model, metrics, state
+        self.shared = state.shared
+        self.decided = metrics.decision.observe  # type: ignore[method-assign]
+        self.confirm = state.confirm  # type: ignore[method-assign]
+        self.released = state.released  # type: ignore[method-assign]
+        self.first_token = state.first_token  # type: ignore[method-assign]
+
+    def refused(self, t: Ticket, reason: str) -> None:
+        self.metrics.shed.labels(self.model, reason).inc()
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.workflows = WorkflowRegistry()
+        self.fleet = Fleet(cfg, self.metrics)
+        self.backends = self.fleet.backends
+        self.prefix_chars = cfg.prefix.block_chars if cfg.prefix.enabled else 0
+        self.predictor = predictor
+        self.groups: dict[str, Admission] = {}
+        self.state = StateSync(cfg.state, self.fleet, self.metrics, self._running)
+        self.auth = Authenticator(cfg.auth, self.state.store)
+        self.upstream = Upstream(cfg, self.fleet, self.metrics)
+        self.relay = Relay(self.upstream, self.metrics)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.fleet.open()
+        await self.fleet.check_all(discover=True)
+        self._rebuild_groups()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._health_loop()))
+        if self.state.shared:
+            await self.state.sync()
+            self._tasks.append(loop.create_task(self.state.sync_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for adm in self.groups.values():
+            await adm.stop()
+        await self.fleet.close()
+        await self.state.close()
+        if self.predictor is not None:
+            self.predictor.close()
+
+    def _rebuild_groups(self) -> None:
+        """An admission queue for every model some replica serves (new ones as they appear)."""
+        p = self.cfg.policies
+        for m in self.fleet.models():
+            if m in self.groups:
+                continue
+            try:
+                ordering = make_ordering(p.ordering, seed=p.seed, **p.params)
+            except TypeError as e:
+                raise ValueError(f"policies.params do not fit ordering {p.ordering!r}: {e}") from None
+            sched = Scheduler(ordering, make_placement(p.placement, seed=p.seed))
+            views = [b.view for b in self.backends if m in b.models]
+            self.groups[m] = adm = Admission(sched, views, hooks=_Hooks(m, self.metrics, self.state), max_queue=self.cfg.max_queue,
+                                             frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)
+            adm.start()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await self.fleet.check_all()
+            self._rebuild_groups()
+            self.refresh_gauges()
+            self.workflows.expire(time.monotonic())
+
+    def refresh_gauges(self) -> None:
+        self.fleet.refresh_gauges()
+        for m, adm in self.groups.items():
+            self.metrics.queue_depth.labels(m).set(len(adm.waiting))
+
+    def _running(self) -> list[Ticket]:
+        """This gateway's requests that hold a replica slot now."""
+        return [t for adm in self.groups.values() for t in adm.running.values() if t.replica is not None]
+
+    # ------------------------------------------------------------------ the request path
+    async def handle(self, kind: str, request: Request) -> Response:
+        t_recv = time.perf_counter()
+        key = self.auth.identify(request.headers)  # 401 before the body is even read
+        body, body_size = await self._read_json(request)
+        pooling = kind in POOLING
+        validate_body(kind, body)
+        if body.get("model") is None:  # /tokenize and /detokenize may leave it out, as vLLM's do
+            if len(self.groups) != 1:
+                raise APIError(400, "model: required when the gateway serves several models", param="model")
+            body["model"] = next(iter(self.groups))
+        model = body["model"]
+        self.auth.check_model(key, model)
+        adm = self.groups.get(model)
+        if adm is None:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        now = time.monotonic()
+        res = resolve(body, request.headers, self.cfg, self.workflows, now, key)
+        # Embeddings and the like: no answer to predict, one unit of output; the body's size
+        # estimates what the engine reads.
+        prompt = None if pooling else prompt_from_body(body)
+        n_in = max(body_size // 4, 1) if prompt is None else max(len(prompt.text) // 4, 1)
+        max_tokens = 1 if prompt is None else prompt.max_tokens
+        await self.auth.check_rate(key, n_in + (max_tokens or 256))
+        req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
+                          max_tokens=max_tokens, workflow=res.workflow, stage=res.stage)
+        if prompt is None:
+            req.len_bound = req.len_mean = 1.0
+        elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:
+            if len(prompt.text) > HASH_IN_THREAD:  # ~20 µs per 64 blocks: a long context is hashed off the loop
+                req.prefix = await asyncio.to_thread(text_block_hashes, prompt.text, self.prefix_chars)
+            else:
+                req.prefix = text_block_hashes(prompt.text, self.prefix_chars)
+            req.tokens_per_block = self.prefix_chars * n_in / len(prompt.text)
+            sess = request.headers.get("x-session-id") or body.get("user")
+            if isinstance(sess, str) and sess:
+                req.session = zlib.crc32(sess.encode()) or 1
+        ex = Exchange(kind, adm, req, res, (model, res.tier.name, res.slo.kind.value), bool(body.get("stream")), body_size > JSON_IN_THREAD)
+        overhead = time.perf_counter() - t_recv
+        dc = Disconnect(request)
+        try:
+            with dc.watching():
+                answer = await self._dispatch(ex, prompt, now, overhead)
+        except asyncio.CancelledError:
+            if not dc.gone:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            if ex.resp is not None:
+                ex.resp.close()  # drops the connection: the engine aborts the request
+            if ex.ticket is not None:
+                ex.adm.release(ex.ticket, completed=False)
+            self.metrics.cancelled.labels(model).inc()
+            self.metrics.requests.labels(*ex.labels, "cancelled").inc()
+            return Response(status_code=499)
+        if answer is not None:
+            return answer
+        so = body.get("stream_options") or {}
+        ex.client_usage = (bool(so.get("include_usage")), bool(so.get("include_usage") and so.get("continuous_usage_stats")))
+        return StreamingResponse(self.relay.stream(ex, self._pacer(req, res)), media_type="text/event-stream", headers=STREAM_HEADERS)
+
+    async def _dispatch(self, ex: Exchange, prompt: PromptInput | None, arrived: float, overhead: float) -> Response | None:
+        """Queue `ex`, send it upstream; a whole answer (non-streamed, or the engine's 4xx) is
+        returned here, a stream is left open on `ex.resp` for the relay."""
+        m, req = self.metrics, ex.req
+        try:
+            ex.ticket = await ex.adm.acquire(req, ex.res.waiting_s, prompt)
+        except APIError as e:
+            m.requests.labels(*ex.labels, "refused_429" if e.status == 429 else "refused_503" if e.status == 503 else "error").inc()
+            raise
+        m.queue_wait.labels(*ex.labels).observe(time.monotonic() - arrived)
+        ex.first_bound = req.len_bound
+        try:
+            await self.upstream.open(ex)
+        except APIError:
+            m.requests.labels(*ex.labels, "failed").inc()
+            raise
+        m.overhead.observe(overhead)  # parse, validate, resolve: queue and upstream time excluded
+        resp, ticket = ex.resp, ex.ticket
+        assert resp is not None and ticket is not None
+        if ticket.replica is not None and prompt is not None:
+            bname = self.backends[ticket.replica].name
+            m.prompt_tokens.labels(bname).inc(req.input_tokens)
+            if req.cached:
+                m.prefix_cached.labels(bname).inc(req.cached)
+        if resp.status >= 400:  # the engine refused it (4xx): pass its answer on, in the OpenAI shape
+            try:
+                content = as_openai_error(await resp.read(), resp.status)
+            except (aiohttp.ClientError, TimeoutError):
+                content = json.dumps(error_body(f"upstream answered {resp.status}")).encode()
+            resp.release()
+            ex.resp = ex.ticket = None
+            ex.adm.release(ticket, completed=False)
+            m.requests.labels(*ex.labels, "upstream_4xx").inc()
+            return Response(content, status_code=resp.status, media_type="application/json")
+        ex.led = RequestLedger(req)
+        if ex.stream:
+            return None
+        try:
+            content = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            resp.close()
+            ex.resp = ex.ticket = None
+            ex.adm.release(ticket, completed=False)
+            m.requests.labels(*ex.labels, "failed").inc()
+            raise APIError(502, f"upstream failed while answering: {e!s}") from None
+        resp.release()
+        ex.resp = None
+        n_out, n_in = usage_of(content)
+        t_end = time.monotonic()
+        for _ in range(max(n_out, 1 if content else 0)):
+            ex.led.on_token(t_end)
+        ex.adm.answered(ticket, n_out, t_end)
+        self.relay.settle(ex, ticket, "completed", n_in)
+        return Response(content, status_code=resp.status, media_type="application/json")
+
+    async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
+        """The body as a JSON object, and its size in bytes."""
+        limit = self.cfg.max_body_bytes
+        cl = request.headers.get("content-length")
+        if cl and cl.isdigit() and int(cl) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes")
+        chunks, size = [], 0
+        try:
+            async for c in request.stream():
+                size += len(c)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds {limit} bytes")
+                chunks.append(c)
+        except ClientDisconnect:
+            raise APIError(499, "the client disconnected while sending the request body") from None
+        raw = b"".join(chunks)
+        try:
+            body = await asyncio.to_thread(json.loads, raw) if len(raw) > JSON_IN_THREAD else json.loads(raw)
+        except UnicodeDecodeError:
+            raise APIError(400, "request body is not valid UTF-8") from None
+        except (json.JSONDecodeError, RecursionError):
+            raise APIError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        return body, len(raw)
+
+    def _pacer(self, req: CoreRequest, res: Resolved) -> Pacer | None:
+        """A smoothing buffer for a latency stream whose TBT someone chose (request, key, tier,
+        model); one whose TBT is only the built-in default goes out as fast as the engine makes it."""
+        pc = self.cfg.pacing
+        if not pc.enabled or req.kind is not SLOClass.LATENCY or not req.slo.tbt_s:
+            return None
+        if res.sources.get("tbt_ms", "default") == "default" and not pc.default_slo:
+            return None
+        return Pacer(req.slo.tbt_s, ceiling=pc.ceiling, reserve_tbts=pc.reserve_tbts, build=pc.build)

@@ -1,0 +1,97 @@
+"""The HTTP surface: the OpenAI (and vLLM) endpoints, the operations endpoints, and errors in
+the OpenAI shape for everything, including routing errors and validation."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slogate.gateway.errors import APIError, error_body
+from slogate.gateway.handler import Gateway
+from slogate.gateway.schema import PATHS, POOLING
+
+log = logging.getLogger("slogate.gateway")
+
+
+def openai_routes(gw: Gateway) -> APIRouter:
+    r = APIRouter()
+
+    def route(kind: str) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await gw.handle(kind, request)
+        return endpoint
+
+    # Generative endpoints, then vLLM's pooling and tokenizer endpoints, passed to a replica of the model.
+    for kind in ("chat", "completions", "responses", *sorted(POOLING)):
+        r.add_api_route(PATHS[kind], route(kind), methods=["POST"], response_model=None, name=kind)
+
+    @r.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate",
+                 "backends": [b.name for b in gw.backends if m in b.models]} for m in sorted(gw.groups)]
+        return {"object": "list", "data": data}
+
+    return r
+
+
+def ops_routes(gw: Gateway) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/admin/state")
+    async def admin_state(request: Request) -> dict[str, Any]:
+        gw.auth.require_admin(request.headers)
+        st = gw.state
+        return {"instance": st.instance, "store": st.store.kind, "degraded": st.degraded, "gateways": st.n_gateways,
+                "replicas": [{"name": b.name, "healthy": b.view.healthy, "budget": b.view.budget, "inflight_here": b.view.local_inflight,
+                              "inflight_remote": b.view.inflight - b.view.local_inflight,
+                              "models": sorted(b.models), "beta": round(b.view.model.beta, 3)} for b in gw.backends],
+                "queues": {m: len(a.waiting) for m, a in gw.groups.items()}}
+
+    @r.get("/health")
+    @r.get("/health/ready")
+    async def health() -> JSONResponse:
+        """Readiness: 200 while at least one backend is healthy (a load balancer should send traffic)."""
+        healthy = [b.name for b in gw.backends if b.view.healthy]
+        ok = bool(healthy)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "healthy_backends": len(healthy), "backends": len(gw.backends),
+                             "state_degraded": gw.state.degraded}, status_code=200 if ok else 503)
+
+    @r.get("/health/live")
+    async def live() -> dict[str, str]:
+        """Liveness: the event loop answers. Independent of backends, so an engine outage never
+        makes an orchestrator restart every gateway."""
+        return {"status": "ok"}
+
+    @r.get("/metrics")
+    async def metrics() -> Response:
+        gw.refresh_gauges()
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return r
+
+
+def openai_errors(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_r: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_r: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Routing errors (unknown path, wrong method) in the OpenAI shape too."""
+        resp = APIError(e.status_code, str(e.detail)).response()
+        resp.headers.update(e.headers or {})  # e.g. Allow on a 405 (RFC 9110)
+        return resp
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_r: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(e.errors()[:3])), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_r: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return JSONResponse(error_body("internal error in the gateway", "internal_error"), status_code=500)

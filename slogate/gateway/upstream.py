@@ -1,0 +1,171 @@
+"""Talking to the replicas: the upstream body, sending it (retrying elsewhere on a connect error
+or a 5xx before the first byte), and reading a stream's events with what they carry (moving the
+request to another replica if the stream fails before its first token)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from slogate.gateway.config import GatewayConfig
+from slogate.gateway.errors import APIError
+from slogate.gateway.exchange import Exchange
+from slogate.gateway.fleet import Backend, Fleet
+from slogate.gateway.metrics import Metrics
+from slogate.gateway.schema import PATHS
+from slogate.gateway.sse import KEEPALIVE, EventInfo, EventSplitter, inspect
+
+log = logging.getLogger("slogate.gateway")
+
+Event = tuple[bytes, EventInfo | None, float]  # the event's bytes, what it carries, when it arrived
+
+
+class _Retryable(Exception):
+    pass
+
+
+class Upstream:
+    def __init__(self, cfg: GatewayConfig, fleet: Fleet, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.metrics = metrics
+        self.answer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.first_byte_timeout_s)
+        # A stream's headers come at once and its chunks keep coming: a silence longer than
+        # stream_idle_timeout_s is a stalled replica. A whole (non-streamed) answer may take long.
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.stream_idle_timeout_s)
+
+    def body(self, b: Backend, ex: Exchange) -> dict[str, Any]:
+        res = ex.res
+        body = dict(res.body)
+        if b.cfg.kind != "openai":
+            body.pop("service_tier", None)
+        if b.cfg.priority_scheduling:
+            # vLLM: lower runs first. The client's integer wins; else heavier tiers go first.
+            body["priority"] = res.vllm_priority if res.vllm_priority is not None else -round(res.tier.weight * 10)
+        else:
+            body.pop("priority", None)
+        if ex.stream and ex.kind != "responses":
+            so = dict(body.get("stream_options") or {})
+            so["include_usage"] = True  # exact token counts
+            if b.cfg.kind != "openai":
+                # The running count in every chunk: an engine sends no chunk for a token that
+                # detokenizes to nothing (part of a character), so one chunk can carry several
+                # tokens, and the gaps the capacity learner measures must be per token.
+                so["continuous_usage_stats"] = True
+            body["stream_options"] = so
+        return body
+
+    async def open(self, ex: Exchange) -> None:
+        """Send `ex` to its ticket's replica, retrying elsewhere on a connect error or 5xx; keeps
+        `ex.ticket` (the slot held) and `ex.resp` (the open response) current for cleanup."""
+        client = self.fleet.client
+        assert client is not None and ex.ticket is not None
+        attempt = 0
+        timeout = self.stream_timeout if ex.stream else self.answer_timeout
+        while True:
+            b = self.fleet.backends[ex.ticket.replica]  # type: ignore[index]
+            body = self.body(b, ex)
+            content = await asyncio.to_thread(json.dumps, body) if ex.big else json.dumps(body)
+            try:
+                async with asyncio.timeout(None) as cm:
+                    b.waiting.add(cm)
+                    try:
+                        resp = await client.post(b.cfg.url + PATHS[ex.kind], data=content, timeout=timeout,
+                                                 headers={"content-type": "application/json", **b.headers})
+                    finally:
+                        b.waiting.discard(cm)
+                if resp.status >= 500:
+                    text = (await resp.read())[:200].decode("utf-8", "replace")
+                    resp.release()
+                    raise _Retryable(f"{b.name} answered {resp.status}: {text}")
+                ex.resp = resp
+                return
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError, _Retryable) as e:
+                if isinstance(e, aiohttp.ClientConnectionError | TimeoutError):
+                    self.fleet.mark_unhealthy(b)  # refused, dropped or silent: the retry goes elsewhere
+                t, ex.ticket = ex.ticket, None
+                ex.adm.release(t, completed=False)
+                attempt += 1
+                self.metrics.retries.labels(b.name).inc()
+                log.warning("upstream attempt %d on %s failed: %s", attempt, b.name, e)
+                if attempt > self.cfg.retries:
+                    raise APIError(502, f"all upstream attempts failed; last: {e!s}") from None
+                t.req.dispatched_at = None
+                ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
+
+    async def events(self, ex: Exchange) -> AsyncIterator[Event]:
+        """The replica's events; if it fails before the first token (the client has had headers
+        and keep-alives, no content), the request moves to another replica and goes on there."""
+        moves = 0
+        while True:
+            try:
+                async for item in self._inspected(ex):
+                    yield item
+                return
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                t = ex.ticket
+                if t is None or t.req.generated > 0 or moves >= self.cfg.retries:
+                    raise
+                moves += 1
+                b = self.fleet.backends[t.replica]  # type: ignore[index]
+                ex.resp.close()  # type: ignore[union-attr]
+                self.fleet.mark_unhealthy(b)
+                self.metrics.retries.labels(b.name).inc()
+                log.warning("stream on %s failed before its first token (%s): moving it", b.name, e)
+                ex.ticket = None
+                ex.adm.release(t, completed=False)
+                t.req.dispatched_at = None
+                ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
+                await self.open(ex)
+
+    async def _inspected(self, ex: Exchange) -> AsyncIterator[Event]:
+        """Upstream events with what they carry, keeping the client alive while the first token is slow."""
+        resp, t, adm = ex.resp, ex.ticket, ex.adm
+        assert resp is not None and t is not None
+        b = self.fleet.backends[t.replica]  # type: ignore[index]
+        view, learner = b.view, b.learner
+        sp = EventSplitter()
+        first = True
+        done = False
+        while not done:
+            if first:
+                # Until the first token, read in slices and send keep-alive comments. `readany` is
+                # safe to cancel (the bytes stay buffered), and `asyncio.timeout` spawns no task.
+                try:
+                    async with asyncio.timeout(self.cfg.keepalive_s) as quiet:
+                        chunk = await resp.content.readany()
+                except TimeoutError:
+                    if not quiet.expired():
+                        raise  # the replica's own idle timeout (aiohttp's): a stalled stream, not a pause
+                    yield KEEPALIVE, None, time.monotonic()
+                    continue
+            else:
+                chunk = await resp.content.readany()
+            if chunk:
+                events = sp.feed(chunk)
+            else:
+                events, done = sp.rest(), True
+            for ev in events:
+                info = inspect(ev)
+                if info.usage_out is not None and not info.usage_only and info.usage_out > t.req.generated:
+                    info.tokens = info.usage_out - t.req.generated  # several tokens in one chunk (see `body`)
+                now = time.monotonic()
+                if info.tokens:
+                    n, kv = view.n_decode, view.decode_kv
+                    gap = adm.tokens(t, info.tokens, now)
+                    if gap is None:
+                        first = False
+                    elif n:
+                        # Measured decode speed corrects the replica's latency model online (β).
+                        view.model.observe(gap, view.model.raw_decode_step_time(n, kv // n * n))
+                        if learner is not None:
+                            # Everything the engine runs shares the step: streams yet to see a first
+                            # token and non-streamed answers too, not just the decoding streams.
+                            learner.observe(view.inflight + int(b.external + 0.5), gap)
+                yield ev, info, now
