@@ -60,9 +60,9 @@ class Relay:
 
         try:
             source = self.upstream.events(ex)
-            items: AsyncIterator[tuple[bytes, EventInfo | None]] = (
-                paced(_triples(source, engine_led), pacer, on_end=engine_done) if pacer else _pairs(source))  # type: ignore[arg-type]
-            async for ev, info in items:
+            items: AsyncIterator[tuple[bytes, EventInfo | None, float]] = (
+                paced(_triples(source, engine_led), pacer, on_end=engine_done) if pacer else source)  # type: ignore[arg-type]
+            async for ev, info, _ in items:
                 if info is not None:
                     if info.usage_out is not None:
                         exact = info.usage_out
@@ -142,19 +142,15 @@ class Relay:
             m.pred_covered.labels(labels[0]).inc(int(req.generated <= ex.first_bound))
 
 
-async def _pairs(src: AsyncIterator[Event]) -> AsyncIterator[tuple[bytes, EventInfo | None]]:
-    async for ev, info, _ in src:
-        yield ev, info
-
-
-async def _triples(src: AsyncIterator[Event], engine_led: RequestLedger | None = None) -> AsyncIterator[tuple[tuple[bytes, EventInfo | None], int, float]]:
-    """Events with their token counts and arrival times; `engine_led` records the engine's timeline."""
+async def _triples(src: AsyncIterator[Event], engine_led: RequestLedger | None = None) -> AsyncIterator[tuple[Event, int, float]]:
+    """Events with their token counts and arrival times, for the pacer; `engine_led` records the
+    engine's timeline."""
     async for ev, info, at in src:
         n = info.tokens if info else 0
         if engine_led is not None:
             for _ in range(n):
                 engine_led.on_token(at)
-        yield (ev, info), n, at
+        yield (ev, info, at), n, at
 
 
 def usage_of(content: bytes) -> tuple[int, int | None]:

