@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,24 +27,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slogate.testing.ports import free_port
+from slogate.testing.procs import spawn, stop, wait_http
 
 MODEL = "sim-model"
 
 
-def spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-
 def wait_up(url: str, timeout: float = 30.0) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+    wait_http(url, timeout, below=500)
 
 
 async def one(client: httpx.AsyncClient, url: str, tokens: int, extra: dict) -> tuple[float, int, float]:
@@ -176,11 +164,7 @@ def main() -> None:
         if a.out:
             a.out.write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "runs": runs, "median": med, "summary": summary}, indent=1))
     finally:
-        for p in procs:
-            with __import__("contextlib").suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=10)
+        stop(procs)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slogate.testing.fleet import MODEL, cpu_s, rss_mb, start_fleet, stop
+from slogate.testing.fleet import MODEL, cpu_s, rss_mb, start_fleet
 from slogate.testing.loadgen import closed_loop
+from slogate.testing.procs import stop
 
 
 def main() -> None:

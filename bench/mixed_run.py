@@ -26,6 +26,7 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slogate.testing import prom
 from slogate.testing.ports import free_port
 
 MODEL = "sim-model"
@@ -33,10 +34,8 @@ MODEL = "sim-model"
 
 def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("slogate_token_goodput_total{"):
-            cls = line.split('slo_class="')[1].split('"')[0]
-            out[cls] = out.get(cls, 0.0) + float(line.rsplit(" ", 1)[1])
+    for lab, v in prom.samples(prom.scrape(url), "slogate_token_goodput_total"):
+        out[lab["slo_class"]] = out.get(lab["slo_class"], 0.0) + v
     return out
 
 

@@ -20,21 +20,21 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from slogate.testing.fleet import MODEL, rss_mb, start_fleet, stop
+from slogate.testing import prom
+from slogate.testing.fleet import MODEL, rss_mb, start_fleet
 from slogate.testing.loadgen import stream_once
+from slogate.testing.procs import stop
 
 
 def scrape(url: str) -> dict[str, float]:
+    text = prom.scrape(url)
     out: Counter[str] = Counter()
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        for name in ("slogate_token_goodput_total", "slogate_request_goodput_total", "slogate_tokens_total"):
-            if line.startswith(name + "{") and (name != "slogate_tokens_total" or 'direction="output"' in line):
-                out[name] += float(line.rsplit(" ", 1)[1])
-        if line.startswith("slogate_requests_total{"):
-            out["outcome:" + line.split('outcome="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    for name in ("slogate_token_goodput_total", "slogate_request_goodput_total", "slogate_tokens_total"):
+        out[name] = sum(v for lab, v in prom.samples(text, name) if name != "slogate_tokens_total" or lab.get("direction") == "output")
+    for lab, v in prom.samples(text, "slogate_requests_total"):
+        out["outcome:" + lab["outcome"]] += v
     return dict(out)
 
 

@@ -50,8 +50,9 @@ from real_engines import (
     routed,
     samples,
     start_vllm,
-    stop_engines,
 )
+
+from slogate.testing.procs import stop
 
 TRACE = SHARED / "data" / "trace_mooncake_conversation_prefix.jsonl"
 SYSTEMS = "slogate,slogate-noindex,vllm-router,vllm-router-rr"
@@ -201,7 +202,7 @@ def main() -> None:
                         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
                     time.sleep(2)
     finally:
-        stop_engines(procs)
+        stop(procs)
     if a.out:
         print(report(a.out))
 

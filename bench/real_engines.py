@@ -37,7 +37,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,15 +48,16 @@ from pathlib import Path
 import httpx
 import openai
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from slogate.router.goodput import RequestLedger  # noqa: E402
 from slogate.router.request import SLO  # noqa: E402
 from slogate.router.request import Request as CoreRequest  # noqa: E402
-from slogate.testing.fleet import cpu_s, stop, wait_http  # noqa: E402
+from slogate.testing.fleet import cpu_s  # noqa: E402
 from slogate.testing.ports import free_port  # noqa: E402
+from slogate.testing.procs import stop, wait_http  # noqa: E402
+from slogate.testing.prom import samples  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 RECIPE = SHARED / "recipes" / "make_tiny_model.py"
@@ -219,11 +219,6 @@ def met(r: dict) -> dict[str, bool]:
     tpot = (ts[-1] - ts[0]) / (n - 1) if n > 1 else 0.0
     return {"tpot": ttft_ok and tpot <= TBT_S,
             "timeline": all(t <= r["t0"] + TTFT_S + k * TBT_S for k, t in enumerate(ts))}
-
-
-def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """(labels, value) of every sample called `name` in a Prometheus exposition."""
-    return [(x.labels, x.value) for fam in text_string_to_metric_families(text) for x in fam.samples if x.name == name]
 
 
 async def sample_budgets(url: str, out: list[float]) -> None:
@@ -517,13 +512,6 @@ def bench_systems(a: argparse.Namespace) -> list[str]:
     return [s for s in a.systems.split(",") if not s.startswith("vllm-router") or shutil.which("vllm-router")]
 
 
-def stop_engines(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    stop(procs)
-
-
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--report":
         print(report(Path(sys.argv[2])))
@@ -567,7 +555,7 @@ def main() -> None:
                         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
                     time.sleep(2)  # let the engines drain
     finally:
-        stop_engines(procs)
+        stop(procs)
     if a.client != "ours":
         if a.out:
             a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))

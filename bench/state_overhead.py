@@ -11,10 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import contextlib
 
 from gateway_overhead import MODEL, closed_loop, spawn, wait_up
 
 from slogate.testing.ports import free_port
+from slogate.testing.procs import stop
 
 
 def main() -> None:
@@ -43,8 +40,7 @@ def main() -> None:
         redis_exe = shutil.which("redis-server")
         if redis_exe is None:
             sys.exit("redis-server is not installed")
-        procs.append(subprocess.Popen([redis_exe, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp)],
-                                      stdout=subprocess.DEVNULL, start_new_session=True))
+        procs.append(spawn([redis_exe, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp)]))
         engines = []
         for _ in range(2):
             p = free_port()
@@ -73,11 +69,7 @@ def main() -> None:
         if a.out:
             a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "runs": runs, "summary": summary}, indent=1))
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            p.wait(timeout=10)
+        stop(procs)
 
 
 if __name__ == "__main__":

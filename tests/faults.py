@@ -18,6 +18,7 @@ import httpx
 import openai
 
 from slogate.testing.ports import free_port
+from slogate.testing.prom import gauge
 
 MODEL = "sim-model"
 
@@ -66,10 +67,10 @@ class EngineProcess:
                 self.proc.wait(10)
 
     def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics", timeout=2).text.splitlines():
-            if line.startswith(name):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+        v = gauge(self.url, name)
+        if v is None:
+            raise KeyError(name)
+        return v
 
     def __enter__(self) -> EngineProcess:
         return self.start()
@@ -152,13 +153,6 @@ class Load:
         for t in self.threads:
             t.join(max(deadline - time.monotonic(), 0))
         return not any(t.is_alive() for t in self.threads)
-
-
-def gauge(url: str, name: str, **labels: str) -> float | None:
-    for line in httpx.get(f"{url}/metrics", timeout=2).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 class Watch(threading.Thread):

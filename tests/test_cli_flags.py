@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from slogate.cli import app
 from slogate.gateway.config import CLI_FLAGS, GatewayConfig, apply_flags, load_config
 from slogate.sim.server import create_engine_app
-from slogate.testing.fleet import wait_http
 from slogate.testing.ports import free_port
+from slogate.testing.procs import wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 

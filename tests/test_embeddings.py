@@ -20,6 +20,7 @@ from servers import ServerThread
 from slogate.gateway.app import create_app
 from slogate.gateway.config import GatewayConfig
 from slogate.sim.server import create_engine_app
+from slogate.testing.prom import samples, scrape
 
 MODEL = "sim-model"
 
@@ -128,9 +129,4 @@ def test_a_replica_without_the_endpoint_answers_404_through_the_gateway() -> Non
 
 
 def _samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = []
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        out += [(s.labels, s.value) for s in fam.samples if s.name == name]
-    return out
+    return samples(scrape(url), name)

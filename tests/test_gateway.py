@@ -20,6 +20,7 @@ from slogate.gateway.app import create_app
 from slogate.gateway.config import BackendConfig, GatewayConfig, load_config
 from slogate.predictors.online import OnlineLengthPredictor
 from slogate.sim.server import create_engine_app
+from slogate.testing.prom import metric
 
 MODEL = "sim-model"
 
@@ -42,17 +43,6 @@ def fleet():
 
 def client(gw: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # ------------------------------------------------------------------ the OpenAI API surface

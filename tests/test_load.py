@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from slogate.testing.fleet import MODEL, rss_mb, start_fleet, stop
+from slogate.testing.fleet import MODEL, rss_mb, start_fleet
 from slogate.testing.loadgen import closed_loop
+from slogate.testing.procs import stop
 
 
 def test_a_thousand_concurrent_streams_through_one_gateway_all_complete() -> None:

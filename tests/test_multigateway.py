@@ -4,38 +4,20 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from slogate.testing.fleet import wait_http
 from slogate.testing.ports import free_port
+from slogate.testing.procs import slogate, stop, wait_http
+from slogate.testing.prom import gauge
 
 MODEL = "sim-model"
 BUDGET = 4
-
-
-def spawn(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def up(url: str, timeout: float = 30) -> None:
-    wait_http(url, timeout)
-
-
-def gauge(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in {url}/metrics")
 
 
 def start_redis(port: int, d: Path) -> subprocess.Popen[bytes]:
@@ -77,7 +59,7 @@ def cluster(request, tmp_path: Path, redis_url: str):
     try:
         for _ in range(2):
             p = free_port()
-            procs.append(spawn(["engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", "20", "--fixed-itl-ms", "10"]))
+            procs.append(slogate("engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", "20", "--fixed-itl-ms", "10"))
             engines.append(f"http://127.0.0.1:{p}")
         cfg = tmp_path / "gw.yaml"
         prefix = f"mg{os.getpid()}{time.monotonic_ns()}"
@@ -86,22 +68,13 @@ def cluster(request, tmp_path: Path, redis_url: str):
                        + "health_interval_s: 0.5\n")
         for _ in range(3):
             p = free_port()
-            procs.append(spawn(["serve", "--config", str(cfg), "--port", str(p), "--log-level", "warning"]))
+            procs.append(slogate("serve", "--config", str(cfg), "--port", str(p), "--log-level", "warning"))
             gateways.append(f"http://127.0.0.1:{p}")
         for u in engines + gateways:
-            up(f"{u}/health")
+            wait_http(f"{u}/health", 30)
         yield engines, gateways
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:  # recorded for the reliability suite; never leave it running
-                print(f"process {p.args[3:5]} ignored SIGTERM for 15 s; killing it")
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+        stop(procs, grace=15)  # a process that ignores SIGTERM is reported (the reliability suite) and killed
 
 
 async def drive(gateways: list[str], n: int, concurrency: int) -> dict[int, int]:

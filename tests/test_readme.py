@@ -14,8 +14,8 @@ from pathlib import Path
 import openai
 from faults import EngineProcess
 
-from slogate.testing.fleet import wait_http
 from slogate.testing.ports import free_port
+from slogate.testing.procs import wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 

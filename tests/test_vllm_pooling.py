@@ -8,12 +8,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from servers import ServerThread
 from vllm_engine import start_vllm
 
 from slogate.gateway.app import create_app
 from slogate.gateway.config import GatewayConfig
+from slogate.testing.prom import samples, scrape
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,5 @@ def test_embeddings_through_the_gateway_from_a_real_vllm_pooling_model(vllm_embe
         assert max(abs(a - b) for a, b in zip(f.data[0].embedding, vecs[0], strict=True)) < 1e-4
         tok = httpx.post(f"{gw.url}/tokenize", json={"model": "tiny", "prompt": "hello world"}, timeout=30)
         assert tok.status_code == 200 and tok.json()["count"] == len(tok.json()["tokens"]) > 0
-        done = {(s.labels["slo_class"], s.labels["outcome"]): s.value
-                for fam in text_string_to_metric_families(httpx.get(f"{gw.url}/metrics").text)
-                for s in fam.samples if s.name == "slogate_requests_total"}
+        done = {(lab["slo_class"], lab["outcome"]): v for lab, v in samples(scrape(gw.url), "slogate_requests_total")}
         assert done == {("deadline", "completed"): 3.0}, done  # two embeddings, one tokenize
