@@ -201,3 +201,35 @@ def test_gmax_sheds_a_request_that_waited_past_its_waiting_time_before_any_dispa
     sel = GMAX(preempt=False).select(1.5, [fresh, old, requeued], 0, [view()])
     assert sel.shed == [(old, "waiting_time_exceeded")]
     assert GMAX(preempt=False).select(0.9, [old], 0, [view()]).shed == []
+
+
+# ------------------------------------------------------------------ the registry
+def test_every_plugin_lives_in_the_module_named_for_its_key_and_old_keys_still_work() -> None:
+    import inspect
+
+    from slogate.router.registry import PLACEMENT, check_policy
+
+    for reg in (ORDERING, PLACEMENT):
+        for key in reg:
+            cls = reg.classes[key]
+            assert inspect.getmodule(cls).__name__.rsplit(".", 1)[1] == key.replace("-", "_"), (key, cls)
+    assert check_policy("ordering", "sa") == "simulated-annealing"
+    assert (check_policy("placement", "pok"), check_policy("placement", "p2c")) == ("power-of-k", "power-of-two")
+
+
+def test_policy_parameters_are_checked_when_the_config_loads() -> None:
+    from pydantic import ValidationError
+
+    from slogate.gateway.config import GatewayConfig
+
+    base = {"backends": [{"url": "http://127.0.0.1:9"}]}
+    ok = GatewayConfig.model_validate(base | {"policies": {"ordering": "sa", "params": {"iters": "50"},
+                                                           "placement": "gorouting", "placement_params": {"alpha": 0.9}}})
+    assert ok.policies.ordering == "simulated-annealing" and ok.policies.params == {"iters": 50}
+    assert ok.policies.placement_params == {"alpha": 0.9}
+    with pytest.raises(ValidationError, match="fairnes: Extra inputs are not permitted.*its parameters: .*fairness"):
+        GatewayConfig.model_validate(base | {"policies": {"params": {"fairnes": 0.2}}})
+    with pytest.raises(ValidationError, match="alpha: Input should be a valid number"):
+        GatewayConfig.model_validate(base | {"policies": {"placement_params": {"alpha": "high"}}})
+    with pytest.raises(ValueError, match="starvation_s"):
+        make_ordering("ltr", starvation=3)

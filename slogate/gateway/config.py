@@ -78,10 +78,15 @@ class TierConfig(_Strict):
 
 
 class PolicyConfig(_Strict):
-    ordering: str = Field("gmax", description="Ordering / admission policy: gmax, fcfs, edf, sjf, ltr, plas, slide, priority, vtc, sa.")
-    placement: str = Field("gorouting", description="Placement policy: gorouting, pok, least-load, round-robin, random, p2c.")
+    ordering: str = Field("gmax", description="Ordering / admission policy: gmax, fcfs, edf, sjf, ltr, plas, slide, priority, vtc, "
+                          "simulated-annealing (old key: sa).")
+    placement: str = Field("gorouting", description="Placement policy: gorouting, power-of-k (pok), least-load, round-robin, random, "
+                           "power-of-two (p2c), cache-aware, prefix-score, session-hash.")
     frame_s: float = Field(0.3, gt=0, le=10, description="Scheduling frame Δ, s: the queue is re-decided at least this often.")
-    params: dict[str, float] = Field(default_factory=dict, description="Ordering parameters, e.g. gmax `{fairness: 0.2, delta: 1}`.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Ordering parameters, e.g. gmax `{fairness: 0.2, delta: 1}`; "
+                                   "checked against the policy's own when the config loads.")
+    placement_params: dict[str, Any] = Field(default_factory=dict, description="Placement parameters, e.g. gorouting `{alpha: 0.9}`; "
+                                             "checked like `params`.")
     profile: str = Field(DEFAULT_PROFILE, description="Batch latency profile the replica model starts from (corrected online by β).")
     seed: int = Field(0, description="Seed of randomised policies (random, p2c, sa).")
 
@@ -91,6 +96,14 @@ class PolicyConfig(_Strict):
         from slogate.router.registry import check_policy
 
         return check_policy(str(info.field_name), v)
+
+    @model_validator(mode="after")
+    def _known_params(self) -> PolicyConfig:
+        from slogate.router.registry import ORDERING, PLACEMENT
+
+        self.params = ORDERING.check_params(self.ordering, self.params)
+        self.placement_params = PLACEMENT.check_params(self.placement, self.placement_params)
+        return self
 
 
 class PredictorConfig(_Strict):

@@ -114,11 +114,7 @@ class Gateway:
         for m in self.fleet.models():
             if m in self.groups:
                 continue
-            try:
-                ordering = make_ordering(p.ordering, seed=p.seed, **p.params)
-            except TypeError as e:
-                raise ValueError(f"policies.params do not fit ordering {p.ordering!r}: {e}") from None
-            sched = Scheduler(ordering, make_placement(p.placement, seed=p.seed))
+            sched = Scheduler(make_ordering(p.ordering, seed=p.seed, **p.params), make_placement(p.placement, seed=p.seed, **p.placement_params))
             views = [b.view for b in self.backends if m in b.models]
             self.groups[m] = adm = Admission(sched, views, hooks=_Hooks(m, self.metrics, self.state), max_queue=self.cfg.max_queue,
                                              frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)

@@ -26,7 +26,8 @@ class Selection:
 
 
 class OrderingPolicy(ABC):
-    name: ClassVar[str]
+    name: ClassVar[str]  # the registry key (router/registry.py), also the module's file name
+    aliases: ClassVar[tuple[str, ...]] = ()  # older keys that still select it
 
     @abstractmethod
     def select(self, now: float, waiting: Sequence[Request], slots: int, replicas: Sequence[ReplicaView]) -> Selection:

@@ -18,7 +18,8 @@ from slogate.router.view import ReplicaView, fleet_speed
 
 
 class SimulatedAnnealing(OrderingPolicy):
-    name = "sa"
+    name = "simulated-annealing"
+    aliases = ("sa",)
 
     def __init__(self, max_n: int = 24, iters: int = 120, t0: float = 1.0, cooling: float = 0.96, seed: int = 0) -> None:
         self.max_n, self.iters, self.t0, self.cooling = max_n, iters, t0, cooling

@@ -12,7 +12,8 @@ from slogate.router.view import ReplicaView
 
 
 class PowerOfK(PlacementPolicy):
-    name = "pok"
+    name = "power-of-k"
+    aliases = ("pok",)
 
     def __init__(self, k: int | None = None, seed: int = 0) -> None:
         super().__init__(seed)
