@@ -305,12 +305,11 @@ def serve(
 ) -> None:
     """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state.
     Precedence: flags, then SLOGATE_* environment variables, then the config file, then defaults."""
-    import asyncio
     import os
 
     from pydantic import ValidationError
 
-    from slogate.embedded import serve_with_sim_engines as run
+    from slogate.embedded import run
     from slogate.gateway.config import apply_flags, load_config
 
     if config is None and os.environ.get("SLOGATE_CONFIG"):
@@ -340,16 +339,7 @@ def serve(
     n_sim = sim_engines if not cfg.backends else 0
     if n_sim:
         console.print(f"no backend configured: starting {n_sim} simulated engines (model 'sim-model')")
-    # uvloop where installed (uvicorn's own choice, which it only makes for loops it creates): its
-    # C transports halve the gateway's per-token socket and selector time at 100 streams.
-    try:
-        import uvloop
-
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:
-        runner = asyncio.Runner()
-    with runner:
-        runner.run(run(cfg, host, port, sim_engines=n_sim, log_level=log_level, sim_budget=budget))
+    run(cfg, host, port, sim_engines=n_sim, log_level=log_level, sim_budget=budget)
 
 
 @app.command()

@@ -227,7 +227,7 @@ def test_policy_parameters_are_checked_when_the_config_loads() -> None:
                                                            "placement": "gorouting", "placement_params": {"alpha": 0.9}}})
     assert ok.policies.ordering == "simulated-annealing" and ok.policies.params == {"iters": 50}
     assert ok.policies.placement_params == {"alpha": 0.9}
-    with pytest.raises(ValidationError, match="fairnes: Extra inputs are not permitted.*its parameters: .*fairness"):
+    with pytest.raises(ValidationError, match=r"fairnes: Extra inputs are not permitted.*its parameters: .*fairness"):
         GatewayConfig.model_validate(base | {"policies": {"params": {"fairnes": 0.2}}})
     with pytest.raises(ValidationError, match="alpha: Input should be a valid number"):
         GatewayConfig.model_validate(base | {"policies": {"placement_params": {"alpha": "high"}}})
