@@ -106,23 +106,19 @@ def test_a_frozen_engine_is_detected_by_timeouts_and_its_requests_move() -> None
 def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path) -> None:
     """A rolling update: SIGTERM stops new work, streams in flight complete, the process exits."""
     import asyncio
-    import subprocess
-    import sys
 
     from slogate.testing.loadgen import stream_once
     from slogate.testing.ports import free_port
+    from slogate.testing.procs import slogate, wait_http
 
     with ExitStack() as st:
         e = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "50"))
         cfg = tmp_path / "gw.yaml"
         cfg.write_text(f"backends: [{{url: '{e.url}', models: [{MODEL}], budget: 16}}]\nshutdown_grace_s: 10\npacing: false\n")
         port = free_port()
-        gw = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--config", str(cfg), "--port", str(port),
-                               "--log-level", "warning"], start_new_session=True)
+        gw = slogate("serve", "--config", str(cfg), "--port", str(port), "--log-level", "warning", quiet=False)
         try:
-            from test_multigateway import up
-
-            up(f"http://127.0.0.1:{port}/health")
+            wait_http(f"http://127.0.0.1:{port}/health", 30)
             body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "stream": True, "ignore_eos": True}
 
             async def run():

@@ -18,10 +18,11 @@ from pathlib import Path
 import aiohttp
 import httpx
 from faults import EngineProcess, gauge
-from test_multigateway import start_redis, up
+from test_multigateway import start_redis
 
 from slogate.testing.loadgen import StreamResult, stream_once
 from slogate.testing.ports import free_port
+from slogate.testing.procs import wait_http
 
 MODEL = "sim-model"
 BUDGET = 6
@@ -47,7 +48,7 @@ def test_chaos_run_loses_nothing(tmp_path: Path) -> None:
             urls.append(f"http://127.0.0.1:{p}")
         try:
             for u in urls:
-                up(f"{u}/health")
+                wait_http(f"{u}/health", 30)
             results, cancelled = asyncio.run(_load_with_chaos(urls, engines, redis, rport, tmp_path))
         finally:
             # The clients are done: let the gateways settle, then read their state before stopping them.

@@ -9,10 +9,11 @@ from contextlib import ExitStack
 import openai
 import pytest
 from servers import ServerThread
-from test_gateway import MODEL, gateway_cfg, metric
+from test_gateway import MODEL, gateway_cfg
 
 from slogate.gateway.app import create_app
 from slogate.sim.server import create_engine_app
+from slogate.testing.prom import metric
 
 SYSTEM = "You are a careful assistant. " * 24  # ~700 characters every conversation shares
 

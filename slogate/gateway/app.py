@@ -28,8 +28,8 @@ def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = Non
     app = FastAPI(title="slogate", lifespan=lifespan)
     app.state.gateway = gw
     openai_errors(app)
-    app.include_router(openai_routes(gw))
-    app.include_router(ops_routes(gw))
+    openai_routes(app, gw)
+    ops_routes(app, gw)
 
     def _openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
