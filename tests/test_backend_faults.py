@@ -50,10 +50,9 @@ def test_an_engine_killed_mid_run_and_restarted_loses_nothing() -> None:
     out = load.outcomes
     kinds = {k: sum(o.kind == k for o in out) for k in ("completed", "stream_error", "refused", "error")}
     assert kinds["error"] == 0 and kinds["refused"] == 0, (kinds, [o.detail for o in out if o.kind in ("error", "refused")][:5])
-    # Only streams already running on the killed engine may fail, and they fail with an error event.
+    # Streams running on the killed engine continue on the other one from their text so far: none fails.
     cut = [o for o in out if o.kind == "stream_error"]
-    assert len(cut) <= 6, kinds  # at most its budget was in flight there
-    assert all(o.started < killed_at and o.ended >= killed_at and "upstream" in o.detail for o in cut), cut
+    assert not cut, cut
     # Everything sent after the kill completed: retried elsewhere or waited for room.
     after = [o for o in out if o.started > killed_at + 0.05]
     assert after and all(o.kind == "completed" for o in after)

@@ -10,7 +10,7 @@ import time
 from contextlib import ExitStack
 
 import openai
-from faults import gauge
+from faults import EngineProcess, gauge
 
 from slogate.gateway.app import create_app
 from slogate.gateway.config import GatewayConfig
@@ -65,7 +65,7 @@ def test_paced_streams_meet_their_tbt_by_both_rules_when_the_engine_jitters_and_
         assert not late, f"tokens {late[:5]} missed the timeline"
     # The buffer hid stalls: with ~5 stalls per stream, the client sees far fewer 100 ms+ gaps.
     big = [sum(b - a > 0.1 for a, b in itertools.pairwise(ts)) for _, ts in runs]
-    assert statistics.mean(big) < 2.5, big
+    assert statistics.mean(big) < 3.0, big  # unbuffered: ~4.8 (120 tokens, 1 in 25 a 150 ms stall)
 
 
 def test_a_stream_without_an_slo_goes_out_as_fast_as_the_engine_makes_it() -> None:
@@ -91,7 +91,10 @@ def test_the_replica_slot_is_free_once_the_engine_has_sent_its_last_token() -> N
     """A reserve large enough to hold the stream well behind the engine: the gateway must give
     the replica's slot back when the engine ends (~0.5 s), while the client is still reading."""
     with ExitStack() as st:
-        eng = st.enter_context(ServerThread(create_engine_app(MODEL, fixed_ttft_ms=10, fixed_itl_ms=5)))
+        # The engine in its own process: in this one, its writes and the gateway's reads would
+        # contend for the GIL with the client and the poller and arrive batched, which the
+        # pacer takes for a faster engine (and holds less).
+        eng = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "10", "--fixed-itl-ms", "5"))
         gw = _gateway(st, eng.url, pacing={"reserve_tbts": 100, "build": 1.0})
 
         async def main() -> tuple[list[tuple[float, int]], list[float]]:

@@ -172,7 +172,7 @@ class Admission:
         the previous ones (None for the first)."""
         if t.replica is None or n <= 0:
             return None
-        first = t.req.generated == 0
+        first = t.req.rid in self.by_rid[t.replica].prefill_queue  # its first token here (also after a resume)
         gap = self.lifecycle.tokens(t.req, n, now)
         if first:
             self.hooks.first_token(t)
@@ -180,6 +180,16 @@ class Admission:
             t.last_refine = t.req.generated
             self._to_predict[t.req.rid] = t  # refined with the next decision's batch
         return gap
+
+    def requeue(self, t: Ticket) -> None:
+        """`t` leaves its replica mid-answer (the replica failed) to be dispatched again with what
+        it has generated: released there, not finished."""
+        self.running.pop(t.req.rid, None)
+        self._to_predict.pop(t.req.rid, None)
+        if t.replica is not None:
+            self.lifecycle.preempted(t.req, self.clock())
+            self.hooks.released(t)
+        self._schedule_soon()
 
     def answered(self, t: Ticket, n: int, now: float) -> None:
         """A non-streamed answer of n tokens arrived whole."""

@@ -31,6 +31,12 @@ class Exchange:
     first_bound: float = 0.0  # the length bound at dispatch (the predictor's coverage metric)
     client_usage: tuple[bool, bool] = (False, False)  # the client asked for the usage chunk / usage in every chunk
     led: RequestLedger | None = None  # what the client received, when
+    # Resuming an answer on another replica when its replica fails mid-stream: the text so far
+    # (None: the answer cannot be continued, e.g. tool calls), the tokens earlier attempts made,
+    # and the prompt's token count from the first attempt's usage.
+    text: list[str] | None = None
+    resumed: int = 0
+    prompt_tokens: int | None = None
 
 
 async def _disconnected(request: Request) -> None:

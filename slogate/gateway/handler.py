@@ -37,7 +37,7 @@ from slogate.gateway.relay import Relay, usage_of
 from slogate.gateway.schema import POOLING, validate_body
 from slogate.gateway.slo import Resolved, WorkflowRegistry, resolve
 from slogate.gateway.statesync import StateSync
-from slogate.gateway.upstream import Upstream
+from slogate.gateway.upstream import Upstream, resumable
 from slogate.predictors.features import PromptInput, prompt_from_body
 from slogate.predictors.online import OnlineLengthPredictor
 from slogate.router.goodput import RequestLedger
@@ -174,7 +174,9 @@ class Gateway:
             sess = request.headers.get("x-session-id") or body.get("user")
             if isinstance(sess, str) and sess:
                 req.session = zlib.crc32(sess.encode()) or 1
-        ex = Exchange(kind, adm, req, res, (model, res.tier.name, res.slo.kind.value), bool(body.get("stream")), body_size > JSON_IN_THREAD)
+        stream = bool(body.get("stream"))
+        ex = Exchange(kind, adm, req, res, (model, res.tier.name, res.slo.kind.value), stream, body_size > JSON_IN_THREAD,
+                      text=[] if resumable(kind, res.body, stream) else None)
         overhead = time.perf_counter() - t_recv
         dc = Disconnect(request)
         try:

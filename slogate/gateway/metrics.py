@@ -42,6 +42,10 @@ class Metrics:
         self.prompt_tokens = Counter("slogate_prompt_tokens_total", "Prompt tokens dispatched (estimated: 4 characters a token)", ["backend"], registry=r)
         self.prefix_cached = Counter("slogate_prefix_cached_tokens_total", "Of those, the tokens the gateway expected the replica's prefix cache "
                                      "to hold", ["backend"], registry=r)
+        self.resumes = Counter("slogate_resumes_total", "Streams moved mid-answer from a failed replica and continued on another "
+                               "(the failed one named)", ["backend"], registry=r)
+        self.resume_gap = Histogram("slogate_resume_gap_seconds", "The gap a resumed stream's client saw: last token before the failure "
+                                    "to first token after it", buckets=_LAT, registry=r)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
 
     def render(self) -> bytes:

@@ -23,6 +23,8 @@ class EventInfo:
     usage_only: bool = False  # a chunk with no choices that only reports usage
     done: bool = False  # data: [DONE]
     error: bool = False
+    text: str = ""  # the answer text this event adds (content delta, completion text)
+    opaque: bool = False  # it adds something a continuation cannot carry on (reasoning, tool calls)
 
 
 # A chunk's `"usage": {...}` member (one level of nesting: prompt_tokens_details), to strip the
@@ -94,10 +96,17 @@ def _inspect_obj(d: dict[str, Any], info: EventInfo) -> None:
                 continue
             delta = c.get("delta")
             if isinstance(delta, dict):
-                if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                content = delta.get("content")
+                if content or delta.get("reasoning_content") or delta.get("tool_calls"):
                     info.tokens += 1
+                    if isinstance(content, str):
+                        info.text += content
+                    if delta.get("reasoning_content") or delta.get("tool_calls"):
+                        info.opaque = True
             elif c.get("text"):
                 info.tokens += 1
+                if isinstance(c["text"], str):
+                    info.text += c["text"]
     u = d.get("usage")
     if isinstance(u, dict):
         info.usage_out, info.usage_in = u.get("completion_tokens"), u.get("prompt_tokens")

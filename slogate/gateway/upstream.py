@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 
 from slogate.gateway.config import GatewayConfig
 from slogate.gateway.errors import APIError
@@ -24,6 +25,30 @@ from slogate.gateway.sse import KEEPALIVE, EventInfo, EventSplitter, inspect
 log = logging.getLogger("slogate.gateway")
 
 Event = tuple[bytes, EventInfo | None, float]  # the event's bytes, what it carries, when it arrived
+
+
+def resumable(kind: str, body: dict[str, Any], stream: bool) -> bool:
+    """Whether an answer cut mid-stream can be continued on another replica from its text so far:
+    one streamed chat or completion choice, nothing per token the continuation would lose."""
+    if not stream or kind not in ("chat", "completions") or (body.get("n") or 1) != 1 or body.get("logprobs") or body.get("echo"):
+        return False
+    return kind == "chat" or isinstance(body.get("prompt"), str)
+
+
+def _with_usage(ev: bytes, info: EventInfo) -> bytes:
+    """The event with its usage rewritten to the whole answer's (after a resume)."""
+    try:
+        d = orjson.loads(ev[ev.index(b"data:") + 5:])
+    except (ValueError, orjson.JSONDecodeError):
+        return ev
+    u = d.get("usage") if isinstance(d, dict) else None
+    if not isinstance(u, dict):
+        return ev
+    u["completion_tokens"] = info.usage_out
+    if info.usage_in:
+        u["prompt_tokens"] = info.usage_in
+    u["total_tokens"] = (u.get("prompt_tokens") or 0) + (info.usage_out or 0)
+    return b"data: " + orjson.dumps(d) + b"\n\n"
 
 
 class _Retryable(Exception):
@@ -59,6 +84,18 @@ class Upstream:
                 # tokens, and the gaps the capacity learner measures must be per token.
                 so["continuous_usage_stats"] = True
             body["stream_options"] = so
+        if ex.resumed and ex.text is not None:
+            # The answer so far goes back as the start of the answer (vLLM's and SGLang's
+            # continue_final_message; a completion's prompt + its text), for what is left of it.
+            text = "".join(ex.text)
+            if ex.kind == "chat":
+                body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
+                body["continue_final_message"], body["add_generation_prompt"] = True, False
+            else:
+                body["prompt"] = body["prompt"] + text
+            for k in ("max_tokens", "max_completion_tokens"):
+                if isinstance(body.get(k), int):
+                    body[k] = max(body[k] - ex.resumed, 1)
         return body
 
     async def open(self, ex: Exchange) -> None:
@@ -112,17 +149,28 @@ class Upstream:
                 return
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 t = ex.ticket
-                if t is None or t.req.generated > 0 or moves >= self.cfg.retries:
+                if t is None or moves >= self.cfg.retries:
                     raise
-                moves += 1
                 b = self.fleet.backends[t.replica]  # type: ignore[index]
+                mid = t.req.generated > 0
+                if mid and (ex.text is None or b.cfg.kind == "openai" or not any(v.healthy for v in ex.adm.views if v is not b.view)):
+                    raise  # nothing to continue from, an API without continue_final_message, or nowhere to go
+                moves += 1
                 ex.resp.close()  # type: ignore[union-attr]
                 self.fleet.mark_unhealthy(b)
                 self.metrics.retries.labels(b.name).inc()
-                log.warning("stream on %s failed before its first token (%s): moving it", b.name, e)
                 ex.ticket = None
-                ex.adm.release(t, completed=False)
-                t.req.dispatched_at = None
+                if mid:
+                    # The client has part of the answer: the rest comes from another replica,
+                    # continued from the text so far; the client sees a longer gap, not an error.
+                    log.warning("stream on %s failed after %d tokens (%s): continuing it elsewhere", b.name, t.req.generated, e)
+                    self.metrics.resumes.labels(b.name).inc()
+                    ex.resumed = t.req.generated
+                    ex.adm.requeue(t)
+                else:
+                    log.warning("stream on %s failed before its first token (%s): moving it", b.name, e)
+                    ex.adm.release(t, completed=False)
+                    t.req.dispatched_at = None
                 ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
                 await self.open(ex)
 
@@ -131,6 +179,7 @@ class Upstream:
         assert resp is not None and t is not None
         b = self.fleet.backends[t.replica]  # type: ignore[index]
         view, learner, content = b.view, b.learner, resp.content
+        offset = ex.resumed  # tokens earlier attempts made: this replica's counts start after them
         sp = EventSplitter()
         first = True
         while True:
@@ -151,13 +200,27 @@ class Upstream:
             now = time.monotonic()
             for ev in events:
                 info = inspect(ev)
+                if info.usage_out is not None:
+                    if offset:
+                        info.usage_out += offset
+                        info.usage_in = ex.prompt_tokens or info.usage_in
+                        ev = _with_usage(ev, info)  # the client sees one answer's counts
+                    elif info.usage_in:
+                        ex.prompt_tokens = info.usage_in
                 if info.usage_out is not None and not info.usage_only and info.usage_out > t.req.generated:
                     info.tokens = info.usage_out - t.req.generated  # several tokens in one chunk (see `body`)
                 if info.tokens:
-                    n, kv = view.n_decode, view.decode_kv
+                    if ex.text is not None:
+                        if info.opaque:
+                            ex.text = None
+                        else:
+                            ex.text.append(info.text)
+                    n, kv, before = view.n_decode, view.decode_kv, t.req.last_token_at
                     gap = adm.tokens(t, info.tokens, now)
                     if gap is None:
                         first = False
+                        if offset and before is not None:
+                            self.metrics.resume_gap.observe(now - before)
                     elif n:
                         # Measured decode speed corrects the replica's latency model online (β).
                         view.model.observe(gap, view.model.raw_decode_step_time(n, kv // n * n))

@@ -39,12 +39,14 @@ class Lifecycle:
 
     def tokens(self, req: Request, n: int, now: float) -> float | None:
         """`n` more output tokens of `req` arrived at `now`. Returns the gap per token since the
-        previous ones (None for the first), for the driver's speed measurements."""
+        previous ones (None for its first token on this replica: no decode gap), for the driver's
+        speed measurements."""
         view = self.by_rid[req.replica]  # type: ignore[index]
         gap = None
-        if req.generated == 0:
+        if req.rid in view.prefill_queue or req.last_token_at is None:  # its first token here (after a preemption too)
             view.first_token(req, now)
-            req.first_token_at = now
+            if req.first_token_at is None:
+                req.first_token_at = now
             if n > 1:
                 view.token(n - 1)
         else:

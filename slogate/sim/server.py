@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import random
+import re
 import struct
 import time
 import uuid
@@ -67,6 +68,21 @@ def answer_length(text: str, max_tokens: int | None, ignore_eos: bool, median: f
 
 def _err(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": None}, "object": "error"}, status_code=status)
+
+
+_TOK = re.compile(r"tok\d+ ")
+
+
+def _continued_tokens(body: dict[str, Any], chat: bool) -> int:
+    """How many numbered tokens the answer being continued already has."""
+    if chat:
+        msgs = body.get("messages") or []
+        last = msgs[-1] if msgs and isinstance(msgs[-1], dict) else {}
+        if body.get("continue_final_message") and last.get("role") == "assistant" and isinstance(last.get("content"), str):
+            return len(_TOK.findall(last["content"]))
+        return 0
+    prompt = body.get("prompt")
+    return len(_TOK.findall(prompt)) if isinstance(prompt, str) else 0
 
 
 def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0,
@@ -163,6 +179,10 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         if isinstance(body, JSONResponse):
             return body
         n_in, n_out, toks = _tokens(body, "max_tokens")
+        # Tokens are numbered ("tok0 tok1 …"), so a client can check a stream has none lost or
+        # repeated; a continuation (vLLM's `continue_final_message`, or a completion prompt that
+        # ends in generated text) numbers on from the tokens it already holds.
+        first = _continued_tokens(body, chat)
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         finish = "length" if body.get("max_tokens") and n_out >= body["max_tokens"] else "stop"
 
@@ -193,7 +213,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
                 return Response(status_code=499)
             n = work.result()
             return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model,
-                    "choices": [piece("tok " * n, finish, whole=True)], "usage": _usage(n_in, n)}
+                    "choices": [piece("".join(f"tok{first + i} " for i in range(n)), finish, whole=True)], "usage": _usage(n_in, n)}
         so = body.get("stream_options") or {}
         include_usage = bool(so.get("include_usage"))
         continuous = include_usage and bool(so.get("continuous_usage_stats"))  # vLLM: the running count in every chunk
@@ -204,8 +224,8 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
             if chat:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
             async for _ in toks:
+                yield _sse({**base, "choices": [piece(f"tok{first + n} ", None)], **({"usage": _usage(n_in, n + 1)} if continuous else {})})
                 n += 1
-                yield _sse({**base, "choices": [piece("tok ", None)], **({"usage": _usage(n_in, n)} if continuous else {})})
             yield _sse({**base, "choices": [piece(None, finish)]})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(n_in, n)})
