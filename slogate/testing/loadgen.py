@@ -27,6 +27,7 @@ class StreamResult:
     error: str = ""
     first_token: float | None = None
     retry_after: str | None = None
+    text: str = ""  # the answer's text, as received
 
 
 @dataclass
@@ -43,7 +44,7 @@ class LoadReport:
 
 async def stream_once(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> StreamResult:
     t0 = time.monotonic()
-    tokens, finish, done, first = 0, False, False, None
+    tokens, finish, done, first, text = 0, False, False, None, []
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             if r.status != 200:
@@ -59,13 +60,15 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict[str, 
                     continue
                 ev = json.loads(data)
                 if "error" in ev:
-                    return StreamResult(t0, time.monotonic(), 200, tokens, False, str(ev["error"].get("message"))[:200], first)
+                    return StreamResult(t0, time.monotonic(), 200, tokens, False, str(ev["error"].get("message"))[:200], first, text="".join(text))
                 for ch in ev.get("choices") or ():
-                    if (ch.get("delta") or {}).get("content"):
+                    content = (ch.get("delta") or {}).get("content")
+                    if content:
                         tokens += 1
+                        text.append(content)
                         first = first or time.monotonic()
                     finish = finish or ch.get("finish_reason") is not None
-            return StreamResult(t0, time.monotonic(), 200, tokens, finish and done, "", first)
+            return StreamResult(t0, time.monotonic(), 200, tokens, finish and done, "", first, text="".join(text))
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         return StreamResult(t0, time.monotonic(), -1, tokens, False, f"{type(e).__name__}: {e}"[:200], first)
 
