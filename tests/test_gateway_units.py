@@ -145,3 +145,18 @@ def test_paced_stream_spreads_a_burst_and_ends_upstream_before_the_client_is_don
     assert min(burst) >= 0.005  # spread, not dumped
     assert ended <= t[-1] - 0.05  # the slot is free well before the client has its last token
     assert t[-1] - last_arrival <= 4 * 0.05 + 0.02  # held at most the reserve
+
+
+def test_events_read_together_are_one_pace_observation() -> None:
+    """The first token and the next arriving in one read must not teach the pacer a zero gap
+    (it would never hold anything again); a read of 3 tokens 30 ms after the last is 10 ms a token."""
+    p = Pacer(0.05, ceiling=0.8, reserve_tbts=100, build=1.0)
+    p.due(1.0, 1)
+    p.due(1.0, 1)  # same read as the first token: no observation
+    assert p.gap is None
+    p.due(1.02, 1)
+    assert p.gap == pytest.approx(0.02)
+    for _ in range(3):
+        p.due(1.05, 1)  # three tokens in one read, 30 ms after the previous
+    assert p.gap == pytest.approx(0.8 * 0.02 + 0.2 * 0.01)
+    assert p.due(1.07, 1) > 1.07  # still held behind the engine

@@ -54,6 +54,12 @@ class Pacer:
         self.last_due = 0.0  # release time of the latest event (events keep their order)
         self.last_at: float | None = None  # arrival of the latest token event
         self.gap: float | None = None  # the engine's per-token gap, a moving average
+        # Events read together (one upstream read, one arrival time) are one observation: the
+        # time since the previous read over all the tokens it brought. Kept to redo the latest
+        # update as more events of the same read come in.
+        self._read_dt = 0.0
+        self._read_tokens = 0
+        self._gap_before: float | None = None
 
     def due(self, now: float, tokens: int) -> float:
         """When an event carrying `tokens` tokens that arrived at `now` may be released."""
@@ -64,16 +70,24 @@ class Pacer:
         if self.t0 is None:
             self.t0 = self.last_due = self.last_at = now
             self.arrived = tokens
+            self._read_dt, self._read_tokens = 0.0, tokens
             return now
         assert self.last_at is not None
-        g = (now - self.last_at) / tokens
-        # Neither a stall nor the burst after it is the engine's pace: a gap counts at most twice,
-        # at least half the average.
-        self.gap = g if self.gap is None else 0.8 * self.gap + 0.2 * min(max(g, 0.5 * self.gap), 2.0 * self.gap)
+        if now == self.last_at:  # the same read as the previous event
+            self._read_tokens += tokens
+        else:
+            self._read_dt, self._read_tokens, self._gap_before = now - self.last_at, tokens, self.gap
+        if self._read_dt > 0:  # (events read with the first token measure nothing)
+            g = self._read_dt / self._read_tokens
+            # Neither a stall nor the burst after it is the engine's pace: a gap counts at most twice,
+            # at least half the average.
+            prev = self._gap_before
+            self.gap = g if prev is None else 0.8 * prev + 0.2 * min(max(g, 0.5 * prev), 2.0 * prev)
         self.last_at = now
         self.arrived += tokens
         k = self.arrived - 1  # index of this event's last token
-        at = min(self.last_due + tokens * self.gap * (1.0 + self.build), now + self.reserve, self.t0 + k * self.step)
+        gap = self.gap or 0.0  # none measured yet: release at once
+        at = min(self.last_due + tokens * gap * (1.0 + self.build), now + self.reserve, self.t0 + k * self.step)
         at = max(now, at, self.last_due)
         self.last_due = at
         return at

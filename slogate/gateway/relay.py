@@ -43,6 +43,7 @@ class Relay:
         exact: int | None = None
         exact_in: int | None = None
         counted = 0
+        answered = False  # the client has been sent [DONE]
         engine_led = RequestLedger(req) if pacer is not None else None
         strip_usage, keep_final_usage = not ex.client_usage[1], ex.client_usage[0]
 
@@ -78,6 +79,8 @@ class Relay:
                             led.on_token(now)
                         counted += info.tokens
                 yield ev
+                if info is not None and info.done:
+                    answered = True
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             outcome = "failed"
             log.warning("upstream stream broke after the first byte: %s", e)
@@ -86,8 +89,9 @@ class Relay:
             outcome = "failed"
             yield error_event(e.message)
         except asyncio.CancelledError:
-            outcome = "cancelled"
-            self.metrics.cancelled.labels(ex.labels[0]).inc()
+            if not answered:  # a client that leaves after its [DONE] had its whole answer
+                outcome = "cancelled"
+                self.metrics.cancelled.labels(ex.labels[0]).inc()
             raise
         finally:
             # Closing (not releasing) drops the connection unless the answer was read to the end,
