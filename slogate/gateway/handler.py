@@ -60,13 +60,21 @@ class _Hooks(AdmissionHooks):
     def __init__(self, model: str, metrics: Metrics, state: StateSync) -> None:
         self.model, self.metrics, self.state = model, metrics, state
         self.shared = state.shared
-        self.decided = metrics.decision.observe  # type: ignore[method-assign]
-        self.confirm = state.confirm  # type: ignore[method-assign]
-        self.released = state.released  # type: ignore[method-assign]
-        self.first_token = state.first_token  # type: ignore[method-assign]
+
+    async def confirm(self, t: Ticket) -> bool:
+        return await self.state.confirm(t)
 
     def refused(self, t: Ticket, reason: str) -> None:
         self.metrics.shed.labels(self.model, reason).inc()
+
+    def decided(self, seconds: float) -> None:
+        self.metrics.decision.observe(seconds)
+
+    def released(self, t: Ticket) -> None:
+        self.state.released(t)
+
+    def first_token(self, t: Ticket) -> None:
+        self.state.first_token(t)
 
 
 class Gateway:

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from slogate.gateway.admission import Ticket
 from slogate.gateway.config import GatewayConfig
 from slogate.gateway.errors import APIError
 from slogate.gateway.exchange import Exchange
@@ -133,8 +134,13 @@ class Upstream:
                 log.warning("upstream attempt %d on %s failed: %s", attempt, b.name, e)
                 if attempt > self.cfg.retries:
                     raise APIError(502, f"all upstream attempts failed; last: {e!s}") from None
-                t.req.dispatched_at = None
-                ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
+                await self._wait_again(ex, t)
+
+    @staticmethod
+    async def _wait_again(ex: Exchange, t: Ticket) -> None:
+        """`t` gave its slot back: wait in the queue for another replica (at least a second)."""
+        t.req.dispatched_at = None
+        ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
 
     async def events(self, ex: Exchange) -> AsyncIterator[Event]:
         """The replica's events with what they carry, keeping the client alive while the first
@@ -170,8 +176,7 @@ class Upstream:
                 else:
                     log.warning("stream on %s failed before its first token (%s): moving it", b.name, e)
                     ex.adm.release(t, completed=False)
-                    t.req.dispatched_at = None
-                ex.ticket = await ex.adm.acquire(t.req, max(ex.res.waiting_s, 1.0))
+                await self._wait_again(ex, t)
                 await self.open(ex)
 
     async def _read(self, ex: Exchange) -> AsyncIterator[Event]:
