@@ -310,18 +310,26 @@ def serve(
     from pydantic import ValidationError
 
     from slogate.embedded import run
-    from slogate.gateway.config import apply_flags, load_config
+    from slogate.gateway.config import GatewayConfig, apply_flags, load_config
 
     if config is None and os.environ.get("SLOGATE_CONFIG"):
         config = Path(os.environ["SLOGATE_CONFIG"])
+
+    def flags(c: GatewayConfig) -> GatewayConfig:
+        return apply_flags(c, backends=backend, ordering=ordering, placement=placement, budget=budget, learn_budget=learn_budget,
+                           pacing=pacing, ttft_ms=ttft_ms, tbt_ms=tbt_ms, deadline_ms=deadline_ms, waiting_ms=waiting_ms,
+                           redis_url=redis_url, prefix_index=prefix_index)
+
+    def read() -> GatewayConfig:
+        """The config as a reload reads it again: the file, then the environment, then these flags."""
+        return flags(load_config(config))
+
     try:
         cfg = load_config(config)
     except (ValueError, OSError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from e
     try:
-        cfg = apply_flags(cfg, backends=backend, ordering=ordering, placement=placement, budget=budget, learn_budget=learn_budget,
-                          pacing=pacing, ttft_ms=ttft_ms, tbt_ms=tbt_ms, deadline_ms=deadline_ms, waiting_ms=waiting_ms, redis_url=redis_url,
-                          prefix_index=prefix_index)
+        cfg = flags(cfg)
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors())
         raise typer.BadParameter(msgs) from e
@@ -339,7 +347,7 @@ def serve(
     n_sim = sim_engines if not cfg.backends else 0
     if n_sim:
         console.print(f"no backend configured: starting {n_sim} simulated engines (model 'sim-model')")
-    run(cfg, host, port, sim_engines=n_sim, log_level=log_level, sim_budget=budget)
+    run(cfg, host, port, sim_engines=n_sim, log_level=log_level, sim_budget=budget, source=read, watch=config)
 
 
 @app.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -133,3 +134,84 @@ def test_redis_dies_mid_run_and_comes_back(own_redis, cluster, tmp_path: Path) -
     # Known gap (noted on issue 5): in about one run in six a replica is seen with one request over
     # its budget somewhere across the outage and recovery; the local-share fallback bounds it at one.
     assert max(peaks) <= BUDGET + 1, peaks
+
+
+def test_sigterm_to_one_gateway_loses_nothing_and_releases_its_claims(tmp_path: Path, redis_url: str) -> None:
+    """Two gateways share Redis under streaming load; one gets SIGTERM (a rolling update). Its
+    streams finish, its claims go back at once, and the other gateway takes the traffic (the
+    client moves on after a refused connection, as a load balancer does)."""
+    import openai
+    import redis
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        engines = []
+        for _ in range(2):
+            p = free_port()
+            procs.append(slogate("engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", "20", "--fixed-itl-ms", "20"))
+            engines.append(f"http://127.0.0.1:{p}")
+        prefix = f"term{os.getpid()}{time.monotonic_ns()}"
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text("backends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: {BUDGET}}}\n" for u in engines)
+                       + f"state: {{kind: redis, url: '{redis_url}', prefix: {prefix}, sync_s: 0.05, lease_s: 30}}\n"
+                       + "health_interval_s: 0.5\nmax_queue: 5000\n")
+        gws, urls = [], []
+        for _ in range(2):
+            p = free_port()
+            gws.append(slogate("serve", "--config", str(cfg), "--port", str(p), "--log-level", "warning"))
+            urls.append(f"http://127.0.0.1:{p}")
+        procs += gws
+        for u in engines + urls:
+            wait_http(f"{u}/health", 30)
+        r = redis.Redis.from_url(redis_url)
+
+        async def scenario() -> tuple[list[str], int, int, float]:
+            clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x", max_retries=0, timeout=120) for u in urls]
+            errors: list[str] = []
+            moved = 0
+            sem = asyncio.Semaphore(12)
+
+            async def one(i: int) -> None:
+                nonlocal moved
+                async with sem:
+                    for c in (clients[i % 2], clients[1]):
+                        try:
+                            s = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], stream=True,
+                                                                max_tokens=40, extra_body={"ignore_eos": True})
+                        except openai.APIConnectionError:
+                            moved += 1  # the gateway is gone: next one (nothing was sent to an engine)
+                            continue
+                        try:
+                            text = "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+                            if len(text.split()) != 40:
+                                errors.append(f"{i}: {len(text.split())} tokens")
+                        except Exception as e:  # a stream cut mid-answer is a lost request
+                            errors.append(f"{i}: {type(e).__name__}: {e}")
+                        return
+                    errors.append(f"{i}: no gateway took it")
+
+            load = asyncio.gather(*(one(i) for i in range(300)))
+            await asyncio.sleep(3)
+            held = sum(r.hlen(f"{prefix}:inflight:{u}") for u in engines)
+            before = {m.decode() for m in r.zrange(f"{prefix}:gateways", 0, -1)}
+            gws[0].send_signal(signal.SIGTERM)
+            await asyncio.to_thread(gws[0].wait, 30)
+            # Right after it exits: none of its claims is left (the lease is 30 s), and it left the set
+            # of gateways, so the survivor's share of each budget is whole again.
+            after = {m.decode() for m in r.zrange(f"{prefix}:gateways", 0, -1)}
+            assert len(before) == 2 and len(after) == 1, "the stopped gateway is still counted"
+            (gone,) = before - after
+            left_claims = sum(1 for u in engines for k in r.hkeys(f"{prefix}:inflight:{u}") if k.decode().startswith(gone + ":"))
+            await load
+            for c in clients:
+                await c.close()
+            return errors, moved, held, left_claims
+
+        errors, moved, held, left_claims = asyncio.run(scenario())
+        assert gws[0].returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful shutdown
+        assert errors == [], errors[:5]
+        assert held > 0 and moved > 0  # it was busy when told to stop, and traffic did move
+        assert left_claims == 0
+        assert sum(r.hlen(f"{prefix}:inflight:{u}") for u in engines) == 0  # and the survivor's are back too, at the end
+    finally:
+        stop(procs)

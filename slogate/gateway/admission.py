@@ -89,6 +89,20 @@ class Admission:
     def new_rid(self) -> int:
         return next(self._ids)
 
+    def set_views(self, views: list[ReplicaView]) -> None:
+        """The replicas placement may choose from now on (one joined, drained or left). A view
+        no longer listed still serves the requests running on it until they finish."""
+        self.views = views
+        keep = {v.rid for v in views} | {rid for rid, v in self.by_rid.items() if v.prefill_queue or v.decoding}
+        self.by_rid = {rid: v for rid, v in {**self.by_rid, **{v.rid: v for v in views}}.items() if rid in keep}
+        self.lifecycle.by_rid = self.by_rid
+        if self.waiting and any(v.free for v in views):
+            self._schedule_soon()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self._frames is None:

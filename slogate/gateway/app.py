@@ -4,7 +4,8 @@ operations routes (`routes.py`), started and stopped with the app."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -16,8 +17,10 @@ from slogate.gateway.schema import openapi
 from slogate.predictors.online import OnlineLengthPredictor
 
 
-def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None) -> FastAPI:
-    gw = Gateway(cfg, predictor)
+def create_app(cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None,
+               source: Callable[[], GatewayConfig] | None = None, watch: Path | None = None) -> FastAPI:
+    """`source` / `watch`: where a reload reads the config again (see `Gateway`)."""
+    gw = Gateway(cfg, predictor, source, watch)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -34,8 +34,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+DNS_SCHEMES = ("dns+", "dnssrv+")  # Prometheus / Thanos style: resolve the host, one replica per address
+
+
 class BackendConfig(_Strict):
-    url: str = Field(description="Base URL of the OpenAI-compatible server (http:// or https://, without /v1).")
+    url: str = Field(description="Base URL of the OpenAI-compatible server (http:// or https://, without /v1). "
+                     "`dns+http://HOST:PORT`: every address HOST resolves to is a replica on PORT (a headless Kubernetes "
+                     "Service, a compose service name), re-resolved every `discovery.interval_s`; "
+                     "`dnssrv+http://_PORTNAME._tcp.HOST`: every SRV record's target and port.")
     models: list[str] = Field(default_factory=list, description="Models served there; empty: discovered from its `/v1/models` (and re-read by the health check).")
     budget: int = Field(48, ge=1, le=100_000, description="Requests the gateways keep in flight there at most (all gateways together when state is shared).")
     kind: Literal["vllm", "sglang", "openai"] = Field("vllm", description="Engine kind: vllm | sglang | openai (any other OpenAI-compatible server).")
@@ -48,9 +54,21 @@ class BackendConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"backend url must start with http:// or https://, got {v!r}")
+        bare = v.removeprefix("dnssrv+").removeprefix("dns+")
+        if not bare.startswith(("http://", "https://")):
+            raise ValueError(f"backend url must start with http://, https://, dns+http(s):// or dnssrv+http(s)://, got {v!r}")
+        if bare != v:
+            from urllib.parse import urlsplit
+
+            u = urlsplit(bare)
+            if not u.hostname or (v.startswith("dns+") and u.port is None) or u.path.strip("/"):
+                raise ValueError(f"{v!r}: a discovered backend is dns+SCHEME://HOST:PORT or dnssrv+SCHEME://SRVNAME, without a path")
         return v.rstrip("/")
+
+    @property
+    def discovered(self) -> bool:
+        """Whether this entry names a DNS name to resolve into replicas rather than one replica."""
+        return self.url.startswith(DNS_SCHEMES)
 
 
 class SLOSpec(_Strict):
@@ -141,6 +159,31 @@ class PrefixConfig(_Strict):
     kv_tokens: int = Field(100_000, ge=1, description="A replica's KV cache in tokens where neither `backends[].kv_cache_tokens` nor its /metrics says.")
 
 
+class DiscoveryConfig(_Strict):
+    """How `dns+` / `dnssrv+` backends are resolved (gateway/discovery.py)."""
+
+    interval_s: float = Field(5.0, gt=0, le=3600, description="Re-resolve every discovered backend this often, s (and at once when one of "
+                              "its replicas fails a health check).")
+    nameservers: list[str] = Field(default_factory=list, description="DNS servers as `IP` or `IP:PORT`; empty: the system resolver "
+                                   "(/etc/hosts and /etc/resolv.conf, what the cluster or compose network provides).")
+    timeout_s: float = Field(2.0, gt=0, le=60, description="One resolution's time limit, s; a failed one keeps the replicas last found.")
+
+    @field_validator("nameservers")
+    @classmethod
+    def _servers(cls, v: list[str]) -> list[str]:
+        import ipaddress
+
+        for ns in v:
+            host, _, port = ns.rpartition(":") if ns.count(":") == 1 else (ns, "", "")
+            try:
+                ipaddress.ip_address(host or ns)
+                if port and not 0 < int(port) < 65536:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"nameserver {ns!r}: expected IP or IP:PORT") from None
+        return v
+
+
 class KeyConfig(_Strict):
     """One API key, stored as the SHA-256 hex of the key (the key itself never is)."""
 
@@ -195,6 +238,7 @@ class GatewayConfig(_Strict):
     pacing: PacingConfig = Field(default_factory=lambda: PacingConfig(),
                                  description="The smoothing buffer for latency streams (`true` / `false` turn it on / off).")
     health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig, description="DNS discovery of `dns+` / `dnssrv+` backends.")
     shutdown_grace_s: float = Field(30.0, gt=0, description="On SIGTERM, requests in flight get this long to finish before they are cut, s.")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Learned per-replica budgets.")
     prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="Prefix-cache-aware placement.")
@@ -206,6 +250,11 @@ class GatewayConfig(_Strict):
     def _has_default(cls, v: dict[str, TierConfig]) -> dict[str, TierConfig]:
         v.setdefault("default", TierConfig())
         return v
+
+
+# Sections a running gateway cannot swap: a reload (SIGHUP, file change) that changes them logs
+# a warning and keeps the running values until a restart. Everything else applies to new requests.
+RESTART_ONLY = ("state", "prefix", "predictor", "capacity", "shutdown_grace_s")
 
 
 # Environment overrides (applied over the file by `load_config`; documented from here).

@@ -8,6 +8,7 @@ parses responses in pure Python (h11); aiohttp's pool is per host and its parser
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import time
@@ -41,6 +42,7 @@ class Backend:
     external: float = 0.0  # requests the engine holds that no gateway sent (from its /metrics)
     kv_usage: float | None = None
     headers: dict[str, str] = field(default_factory=dict)  # what every request to it carries (its API key)
+    state: str = "active"  # active | draining (leaving once idle) | drained (held out by an operator)
 
 
 def engine_gauges(text: str) -> tuple[float | None, float | None, tuple[int, int] | None]:
@@ -62,28 +64,138 @@ def engine_gauges(text: str) -> tuple[float | None, float | None, tuple[int, int
 
 
 class Fleet:
+    """The replicas the gateway knows. Membership changes at run time (DNS discovery, a config
+    reload, an operator's drain): a replica's id (`rid`, its view's) is never reused, a joining
+    one gets traffic only after its first health check passes, and a leaving one drains: no new
+    requests, its streams finish, then it is forgotten."""
+
     def __init__(self, cfg: GatewayConfig, metrics: Metrics) -> None:
         if not cfg.backends:
             raise ValueError("the gateway needs at least one backend")
         self.cfg = cfg
         self.metrics = metrics
-        coeffs = PROFILES[cfg.policies.profile]
-        self.backends = [Backend(b, ReplicaView(i, BatchLatencyModel(coeffs), budget=b.budget), b.name or b.url, set(b.models),
-                                 learner=CapacityLearner(b.budget, margin=cfg.capacity.margin) if cfg.capacity.learn else None,
-                                 headers={"authorization": f"Bearer {b.api_key}"} if b.api_key else {})
-                         for i, b in enumerate(cfg.backends)]
-        if cfg.prefix.enabled:
-            for b in self.backends:
-                b.view.cache = PrefixCache(self.cache_blocks(b.cfg.kv_cache_tokens or cfg.prefix.kv_tokens))
+        self.backends: list[Backend] = []  # every replica known now, draining ones included
+        self.by_rid: dict[int, Backend] = {}  # the same, and the ones that left while a request still named them
+        self._rids = itertools.count()
+        self.failed = asyncio.Event()  # a replica failed a check: discovery looks again at once (a pod replaced)
+        for b in cfg.backends:
+            if not b.discovered:
+                self.add(b, checked=True)
         self.client: aiohttp.ClientSession | None = None
 
+    # ------------------------------------------------------------------ membership
+    def add(self, bc: BackendConfig, checked: bool = False) -> Backend:
+        """A new replica; out of placement until a health check passes (`checked`: the startup
+        check, which runs before any traffic, stands in for it)."""
+        cfg, rid = self.cfg, next(self._rids)
+        learner = None
+        if cfg.capacity.learn:
+            # A replica joining a running fleet starts at the budget its peers have learned
+            # (same engines, same traffic), not at the cap: conservative until it shows its pace.
+            peers = sorted(b.view.budget for b in self.active() if b.learner is not None and b.view.healthy)
+            start = min(peers[len(peers) // 2], bc.budget) if peers and not checked else None
+            learner = CapacityLearner(bc.budget, start=start, margin=cfg.capacity.margin)
+        view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
+        view.healthy = checked
+        if cfg.prefix.enabled:
+            view.cache = PrefixCache(self.cache_blocks(bc.kv_cache_tokens or cfg.prefix.kv_tokens))
+        b = Backend(bc, view, bc.name or bc.url, set(bc.models), learner=learner,
+                    headers={"authorization": f"Bearer {bc.api_key}"} if bc.api_key else {})
+        self.backends.append(b)
+        self.by_rid[rid] = b
+        if not checked:
+            log.info("replica %s (%s) joins; traffic after its first health check", b.name, bc.url)
+            self.metrics.membership.labels("joined").inc()
+        self._state(b)
+        return b
+
+    def named(self, name: str) -> Backend | None:
+        return next((b for b in self.backends if b.name == name or b.cfg.url == name), None)
+
+    def active(self) -> list[Backend]:
+        """The replicas placement may choose (health aside): not draining, not drained."""
+        return [b for b in self.backends if b.state == "active"]
+
+    def drain(self, b: Backend, leave: bool) -> None:
+        """No new requests for `b`; its streams finish. `leave`: forget it once idle (it left the
+        config or DNS); else it stays, drained, until `undrain` (an operator's maintenance)."""
+        new = "draining" if leave else "drained"
+        if b.state == new or (b.state == "draining" and not leave):
+            return
+        log.info("replica %s %s: %d request(s) in flight finish there", b.name, "leaves" if leave else "is drained", b.view.local_inflight)
+        if b.state == "active":
+            self.metrics.membership.labels("draining").inc()
+        b.state = new
+        self._state(b)
+
+    def undrain(self, b: Backend) -> None:
+        if b.state != "active":
+            b.state = "active"
+            log.info("replica %s takes traffic again", b.name)
+            self._state(b)
+
+    def reap(self, busy: set[int]) -> list[Backend]:
+        """Forget the leaving replicas nothing runs on any more (`busy`: rids some request holds)."""
+        gone = [b for b in self.backends if b.state == "draining" and b.view.local_inflight == 0 and b.view.rid not in busy]
+        for b in gone:
+            self.backends.remove(b)
+            del self.by_rid[b.view.rid]
+            self.metrics.forget(b.name)
+            self.metrics.membership.labels("left").inc()
+            log.info("replica %s has left", b.name)
+        return gone
+
+    def reconcile(self, wanted: list[BackendConfig]) -> bool:
+        """Make the members the replicas `wanted` names (by URL): new ones join, missing ones
+        drain and leave, kept ones take the new settings. True when membership changed."""
+        by_url = {b.cfg.url: b for b in self.backends}
+        want = {bc.url: bc for bc in wanted}
+        changed = False
+        for url, bc in want.items():
+            b = by_url.get(url)
+            if b is None:
+                self.add(bc)
+                changed = True
+                continue
+            if b.state == "draining":  # back before it finished leaving (a flapping pod): it stays
+                self.undrain(b)
+                changed = True
+            if bc != b.cfg:
+                self._update(b, bc)
+        for url, b in by_url.items():
+            if url not in want and b.state != "draining":
+                self.drain(b, leave=True)
+                changed = True
+        return changed
+
+    def _update(self, b: Backend, bc: BackendConfig) -> None:
+        """The same replica with new settings (budget, key, models, name): applies from now on."""
+        old = b.cfg
+        b.cfg = bc
+        b.headers = {"authorization": f"Bearer {bc.api_key}"} if bc.api_key else {}
+        if bc.models != old.models:
+            b.models = set(bc.models)  # empty: re-read from /v1/models by the next check
+        if b.learner is not None:
+            b.learner.cap = bc.budget
+            b.learner.budget = min(b.learner.budget, bc.budget)
+        elif bc.budget != old.budget:
+            b.view.budget = bc.budget
+        if (bc.name or bc.url) != b.name:
+            self.metrics.forget(b.name)
+            b.name = bc.name or bc.url
+        self._state(b)
+
+    def _state(self, b: Backend) -> None:
+        for st in ("active", "draining", "drained"):
+            self.metrics.replica_state.labels(b.name, st).set(1 if b.state == st else 0)
+
     def open(self) -> aiohttp.ClientSession:
-        total = sum(b.cfg.budget for b in self.backends)
         self.client = aiohttp.ClientSession(
             # Idle upstream connections are dropped after 4 s, before vLLM's uvicorn drops them (5 s):
             # reusing one the engine is closing fails the request, and a retry could briefly put
             # one request too many on a replica that already had it.
-            connector=aiohttp.TCPConnector(limit=total + 64, limit_per_host=0, keepalive_timeout=4),
+            # No pool limit: the budgets bound what is in flight, and the fleet can grow at run time.
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s, sock_read=self.cfg.first_byte_timeout_s),
             auto_decompress=False)
         return self.client
@@ -121,6 +233,8 @@ class Fleet:
             ok = False
         if ok != b.view.healthy:
             log.warning("backend %s is now %s", b.name, "healthy" if ok else "UNHEALTHY")
+            if not ok:
+                self.failed.set()
         if not ok:
             self.cut_waiting(b)
         b.view.healthy = ok

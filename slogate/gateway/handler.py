@@ -16,8 +16,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import signal
 import time
 import zlib
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,10 +31,11 @@ from starlette.requests import ClientDisconnect
 
 from slogate.gateway.admission import Admission, AdmissionHooks, Ticket
 from slogate.gateway.auth import Authenticator
-from slogate.gateway.config import GatewayConfig
+from slogate.gateway.config import RESTART_ONLY, GatewayConfig
+from slogate.gateway.discovery import Discovery
 from slogate.gateway.errors import APIError, as_openai_error, error_body
 from slogate.gateway.exchange import Disconnect, Exchange
-from slogate.gateway.fleet import Fleet
+from slogate.gateway.fleet import Backend, Fleet
 from slogate.gateway.metrics import Metrics
 from slogate.gateway.pacing import Pacer
 from slogate.gateway.relay import Relay, usage_of
@@ -52,6 +57,15 @@ log = logging.getLogger("slogate.gateway")
 JSON_IN_THREAD = 256 * 1024  # bodies larger than this are parsed / encoded off the event loop
 HASH_IN_THREAD = 64 * 1024  # prompts longer than this (characters) are cut into prefix blocks off the loop (~0.15 ms)
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def _file_stamp(path: Path | None) -> tuple[int, int, int] | None:
+    """What tells a changed file (a ConfigMap swaps a symlink: the inode changes too)."""
+    try:
+        st = os.stat(path) if path is not None else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else None
 
 
 class _Hooks(AdmissionHooks):
@@ -78,63 +92,173 @@ class _Hooks(AdmissionHooks):
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None) -> None:
+    def __init__(self, cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None,
+                 source: Callable[[], GatewayConfig] | None = None, watch: Path | None = None) -> None:
+        """`source` re-reads the configuration (file, environment, flags) for a reload: on SIGHUP,
+        on `POST /admin/reload`, and when the file `watch` changes."""
         self.cfg = cfg
         self.metrics = Metrics()
         self.workflows = WorkflowRegistry()
         self.fleet = Fleet(cfg, self.metrics)
-        self.backends = self.fleet.backends
+        self.backends = self.fleet.backends  # the same list: replicas join and leave in place
+        self.discovery = Discovery(cfg.discovery)
         self.prefix_chars = cfg.prefix.block_chars if cfg.prefix.enabled else 0
         self.predictor = predictor
         self.groups: dict[str, Admission] = {}
+        self._retired: list[Admission] = []  # queues of the policies before a reload: they finish their requests
         self.state = StateSync(cfg.state, self.fleet, self.metrics, self._running)
         self.auth = Authenticator(cfg.auth, self.state.store)
         self.upstream = Upstream(cfg, self.fleet, self.metrics)
         self.relay = Relay(self.upstream, self.metrics)
+        self.source, self.watch = source, watch
+        self._stamp = _file_stamp(watch)
+        self._members = asyncio.Lock()  # one membership change at a time (discovery, reload)
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self.fleet.open()
+        await self._resolve()
         await self.fleet.check_all(discover=True)
-        self._rebuild_groups()
+        self._sync_groups()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._health_loop()))
+        self._tasks.append(loop.create_task(self._discovery_loop()))
         if self.state.shared:
             await self.state.sync()
             self._tasks.append(loop.create_task(self.state.sync_loop()))
+        if self.source is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+                loop.add_signal_handler(signal.SIGHUP, lambda: self._tasks.append(loop.create_task(self.reload_from_source("SIGHUP"))))
 
     async def stop(self) -> None:
+        if self.source is not None:
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         for t in self._tasks:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        for adm in self.groups.values():
+        for adm in [*self.groups.values(), *self._retired]:
             await adm.stop()
+        await self.state.close()  # gives back what it still holds: uses the fleet's replicas
         await self.fleet.close()
-        await self.state.close()
         if self.predictor is not None:
             self.predictor.close()
 
-    def _rebuild_groups(self) -> None:
-        """An admission queue for every model some replica serves (new ones as they appear)."""
+    def _sync_groups(self) -> None:
+        """An admission queue for every model some replica serves (new ones as they appear), each
+        over the replicas that take new requests for it now."""
         p = self.cfg.policies
+        active = self.fleet.active()
         for m in self.fleet.models():
-            if m in self.groups:
-                continue
-            sched = Scheduler(make_ordering(p.ordering, seed=p.seed, **p.params), make_placement(p.placement, seed=p.seed, **p.placement_params))
-            views = [b.view for b in self.backends if m in b.models]
-            self.groups[m] = adm = Admission(sched, views, hooks=_Hooks(m, self.metrics, self.state), max_queue=self.cfg.max_queue,
-                                             frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)
-            adm.start()
+            if m not in self.groups:
+                sched = Scheduler(make_ordering(p.ordering, seed=p.seed, **p.params), make_placement(p.placement, seed=p.seed, **p.placement_params))
+                self.groups[m] = adm = Admission(sched, [], hooks=_Hooks(m, self.metrics, self.state), max_queue=self.cfg.max_queue,
+                                                 frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)
+                adm.start()
+        for m, adm in self.groups.items():
+            views = [b.view for b in active if m in b.models]
+            if views != adm.views:
+                adm.set_views(views)
+        for adm in self._retired:
+            adm.set_views([v for v in adm.views if any(b.view is v for b in active)])
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            await self.fleet.check_all()
-            self._rebuild_groups()
-            self.refresh_gauges()
-            self.workflows.expire(time.monotonic())
+            try:
+                await self.fleet.check_all()
+                self.fleet.reap({t.replica for t in self._running()})
+                self._sync_groups()
+                await self._retire_idle()
+                self.refresh_gauges()
+                self.workflows.expire(time.monotonic())
+                if self.watch is not None and _file_stamp(self.watch) != self._stamp:
+                    await self.reload_from_source(f"{self.watch} changed")
+            except Exception:  # the loop that keeps the fleet's picture must outlive any one bug
+                log.exception("health loop step failed")
+
+    # ------------------------------------------------------------------ membership and reload
+    async def _discovery_loop(self) -> None:
+        """Re-resolve the `dns+` backends every `discovery.interval_s`, and at once after a
+        replica fails (a replaced pod has a new address)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.fleet.failed.wait(), self.cfg.discovery.interval_s)
+            self.fleet.failed.clear()
+            try:
+                await self._resolve()
+            except Exception:
+                log.exception("discovery failed")
+
+    async def _resolve(self) -> None:
+        """Bring the fleet in line with the configured backends (DNS names resolved now)."""
+        async with self._members:
+            wanted = await self.discovery.replicas(self.cfg.backends)
+            if self.fleet.reconcile(wanted):
+                new = [b for b in self.fleet.backends if not b.view.healthy and b.state == "active"]
+                await asyncio.gather(*(self.fleet.check(b, discover=True) for b in new), return_exceptions=True)
+                self.fleet.update_budgets()
+                self._sync_groups()
+
+    async def reload_from_source(self, why: str) -> str | None:
+        """Read the configuration again and apply it; a broken one changes nothing (returns why)."""
+        if self.source is None:
+            raise APIError(409, "this gateway was started without a config source to reload from", code="reload_unavailable")
+        self._stamp = _file_stamp(self.watch)  # this read covers the file as it is now: the watch need not read it again
+        try:
+            new = await asyncio.to_thread(self.source)  # file I/O and validation off the loop
+            if not new.backends:
+                raise ValueError("backends: the new config has none")
+        except Exception as e:  # any failure leaves the running config as it is
+            err = " ".join(str(e).split())
+            log.error("config reload (%s) rejected, the running config stays: %s", why, err)
+            self.metrics.reloads.labels("rejected").inc()
+            return err
+        await self.reload(new)
+        log.info("config reloaded (%s)", why)
+        return None
+
+    async def reload(self, new: GatewayConfig) -> None:
+        """Apply `new` to requests from now on; running ones keep what they started with."""
+        old = self.cfg
+        kept = [k for k in RESTART_ONLY if getattr(new, k) != getattr(old, k)]
+        if kept:
+            log.warning("config reload: %s change(s) need a restart; the running values stay", ", ".join(kept))
+            new = new.model_copy(update={k: getattr(old, k) for k in kept})
+        self.cfg = self.fleet.cfg = new
+        self.upstream.configure(new)
+        self.auth = Authenticator(new.auth, self.state.store)
+        if new.discovery != old.discovery:
+            self.discovery = Discovery(new.discovery)
+        if new.policies != old.policies:
+            # Queued and running requests finish under the policies they were admitted by; new
+            # ones queue under the new ones (both queues place on the same replica views).
+            self._retired.extend(self.groups.values())
+            self.groups = {}
+        for adm in self.groups.values():
+            adm.max_queue, adm.frame_s, adm.refine_every = new.max_queue, new.policies.frame_s, new.predictor.refine_every
+        self._sync_groups()
+        await self._resolve()
+        self.metrics.reloads.labels("applied").inc()
+
+    async def _retire_idle(self) -> None:
+        for adm in [a for a in self._retired if a.idle]:
+            self._retired.remove(adm)
+            await adm.stop()
+
+    def drain(self, name: str, on: bool) -> Backend:
+        """An operator holds a replica out (`on`) or lets it back in."""
+        b = self.fleet.named(name)
+        if b is None:
+            raise APIError(404, f"no backend named {name!r}", param="name", code="backend_not_found")
+        if on:
+            self.fleet.drain(b, leave=False)
+        else:
+            self.fleet.undrain(b)
+        self._sync_groups()
+        return b
 
     def refresh_gauges(self) -> None:
         self.fleet.refresh_gauges()
@@ -143,7 +267,7 @@ class Gateway:
 
     def _running(self) -> list[Ticket]:
         """This gateway's requests that hold a replica slot now."""
-        return [t for adm in self.groups.values() for t in adm.running.values() if t.replica is not None]
+        return [t for adm in [*self.groups.values(), *self._retired] for t in adm.running.values() if t.replica is not None]
 
     # ------------------------------------------------------------------ the request path
     async def handle(self, kind: str, request: Request) -> Response:
@@ -227,7 +351,7 @@ class Gateway:
         resp, ticket = ex.resp, ex.ticket
         assert resp is not None and ticket is not None
         if ticket.replica is not None and prompt is not None:
-            bname = self.backends[ticket.replica].name
+            bname = self.fleet.by_rid[ticket.replica].name
             m.prompt_tokens.labels(bname).inc(req.input_tokens)
             if req.cached:
                 m.prefix_cached.labels(bname).inc(req.cached)

@@ -46,7 +46,26 @@ class Metrics:
                                "(the failed one named)", ["backend"], registry=r)
         self.resume_gap = Histogram("slogate_resume_gap_seconds", "The gap a resumed stream's client saw: last token before the failure "
                                     "to first token after it", buckets=_LAT, registry=r)
+        self.replica_state = Gauge("slogate_replica_state", "1 for the replica's membership state: active (takes new requests), "
+                                   "draining (finishing its streams, then leaving) or drained (held out by an operator)",
+                                   ["backend", "state"], registry=r)
+        self.membership = Counter("slogate_replica_changes_total", "Replicas joining, starting to drain and leaving (discovery, reload, admin)",
+                                  ["change"], registry=r)
+        self.reloads = Counter("slogate_config_reloads_total", "Config reloads by result (applied, rejected: the old config stays)",
+                               ["result"], registry=r)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
+
+    BY_BACKEND = ("retries", "inflight", "healthy", "budget", "external", "prompt_tokens", "prefix_cached", "resumes")
+
+    def forget(self, backend: str) -> None:
+        """A replica left: its series go (a scaled-down fleet leaves no stale gauges behind)."""
+        for name in self.BY_BACKEND:
+            m = getattr(self, name)
+            if (backend,) in m._metrics:
+                m.remove(backend)
+        for state in ("active", "draining", "drained"):
+            if (backend, state) in self.replica_state._metrics:
+                self.replica_state.remove(backend, state)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,10 +44,33 @@ def ops_routes(r: FastAPI, gw: Gateway) -> None:
         gw.auth.require_admin(request.headers)
         st = gw.state
         return {"instance": st.instance, "store": st.store.kind, "degraded": st.degraded, "gateways": st.n_gateways,
-                "replicas": [{"name": b.name, "healthy": b.view.healthy, "budget": b.view.budget, "inflight_here": b.view.local_inflight,
+                "replicas": [{"name": b.name, "url": b.cfg.url, "state": b.state, "healthy": b.view.healthy, "budget": b.view.budget,
+                              "inflight_here": b.view.local_inflight,
                               "inflight_remote": b.view.inflight - b.view.local_inflight,
                               "models": sorted(b.models), "beta": round(b.view.model.beta, 3)} for b in gw.backends],
                 "queues": {m: len(a.waiting) for m, a in gw.groups.items()}}
+
+    @r.post("/admin/backends/{name:path}/drain")
+    async def admin_drain(name: str, request: Request) -> dict[str, Any]:
+        """Hold a replica out: no new requests, its streams finish (maintenance, a node to empty)."""
+        gw.auth.require_admin(request.headers)
+        b = gw.drain(name, True)
+        return {"name": b.name, "state": b.state, "inflight_here": b.view.local_inflight}
+
+    @r.post("/admin/backends/{name:path}/undrain")
+    async def admin_undrain(name: str, request: Request) -> dict[str, Any]:
+        gw.auth.require_admin(request.headers)
+        b = gw.drain(name, False)
+        return {"name": b.name, "state": b.state, "inflight_here": b.view.local_inflight}
+
+    @r.post("/admin/reload")
+    async def admin_reload(request: Request) -> JSONResponse:
+        """Read the config again (as SIGHUP does); 400 with the reason when it is rejected."""
+        gw.auth.require_admin(request.headers)
+        err = await gw.reload_from_source("POST /admin/reload")
+        if err is not None:
+            raise APIError(400, f"config rejected, the running config stays: {err}", code="config_rejected")
+        return JSONResponse({"result": "applied", "backends": [b.name for b in gw.backends]})
 
     @r.get("/health")
     @r.get("/health/ready")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -33,8 +35,9 @@ async def start_server(app: Any, host: str = "127.0.0.1", port: int = 0) -> tupl
     return server, task, server.servers[0].sockets[0].getsockname()[1]
 
 
-async def serve(cfg: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    app = create_app(cfg, make_predictor(cfg))
+async def serve(cfg: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                source: Callable[[], GatewayConfig] | None = None, watch: Path | None = None) -> None:
+    app = create_app(cfg, make_predictor(cfg), source, watch)
     # What is loaded by now (FastAPI, pydantic, numpy, scikit-learn, the length model: ~160k
     # objects) lives as long as the process. Out of the collector's sight, or every full
     # collection scans it all: 150-200 ms on a small box, a p99 spike for every open stream.

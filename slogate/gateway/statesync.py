@@ -48,12 +48,19 @@ class StateSync:
         self._bg: set[asyncio.Task[None]] = set()
 
     def key(self, rid: int) -> str:
-        return self.fleet.backends[rid].cfg.url  # the same replica is the same key in every gateway
+        return self.fleet.by_rid[rid].cfg.url  # the same replica is the same key in every gateway
 
     def entry_id(self, t: Ticket) -> str:
         return f"{self.instance}:{t.req.rid}"
 
     async def close(self) -> None:
+        """Shutdown: give back every claim this gateway still holds (a stream cut at the end of
+        the grace period) and leave, so the other gateways get the budgets now, not after a lease."""
+        if self.shared and not self.degraded:
+            for t in self.running():
+                if t.replica is not None and t.replica in self.fleet.by_rid:
+                    self._background(self._store_call(self.store.release(self.key(t.replica), self.entry_id(t))))
+            self._background(self._store_call(self.store.leave(self.instance)))
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
         await self.store.close()
@@ -65,7 +72,7 @@ class StateSync:
         if self.degraded:
             return True  # no per-request timeouts while the store is down; the sync loop probes it
         e = Entry(self.entry_id(t), self.instance, "prefill", t.req.input_tokens, t.req.len_bound, 0.0)
-        view = self.fleet.backends[t.replica].view
+        view = self.fleet.by_rid[t.replica].view
         try:
             return await self.store.claim(self.key(t.replica), e, view.budget, self.sc.lease_s)
         except StateUnavailable as err:
@@ -124,7 +131,7 @@ class StateSync:
     # ------------------------------------------------------------------ the sync loop
     async def sync(self) -> None:
         """Read every replica's in-flight entries; other gateways' become remote load in our views."""
-        backends = self.fleet.backends
+        backends = list(self.fleet.backends)  # replicas may join or leave during the awaits below
         keys = [b.cfg.url for b in backends]
         try:
             n = await self.store.heartbeat(self.instance, max(3 * self.sc.sync_s, 2.0))

@@ -58,9 +58,13 @@ class _Retryable(Exception):
 
 class Upstream:
     def __init__(self, cfg: GatewayConfig, fleet: Fleet, metrics: Metrics) -> None:
-        self.cfg = cfg
         self.fleet = fleet
         self.metrics = metrics
+        self.configure(cfg)
+
+    def configure(self, cfg: GatewayConfig) -> None:
+        """Retries and timeouts from `cfg` (at start and on a config reload)."""
+        self.cfg = cfg
         self.answer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.first_byte_timeout_s)
         # A stream's headers come at once and its chunks keep coming: a silence longer than
         # stream_idle_timeout_s is a stalled replica. A whole (non-streamed) answer may take long.
@@ -107,7 +111,7 @@ class Upstream:
         attempt = 0
         timeout = self.stream_timeout if ex.stream else self.answer_timeout
         while True:
-            b = self.fleet.backends[ex.ticket.replica]  # type: ignore[index]
+            b = self.fleet.by_rid[ex.ticket.replica]  # type: ignore[index]
             body = self.body(b, ex)
             content = await asyncio.to_thread(json.dumps, body) if ex.big else json.dumps(body)
             try:
@@ -157,7 +161,7 @@ class Upstream:
                 t = ex.ticket
                 if t is None or moves >= self.cfg.retries:
                     raise
-                b = self.fleet.backends[t.replica]  # type: ignore[index]
+                b = self.fleet.by_rid[t.replica]  # type: ignore[index]
                 mid = t.req.generated > 0
                 if mid and (ex.text is None or b.cfg.kind == "openai" or not any(v.healthy for v in ex.adm.views if v is not b.view)):
                     raise  # nothing to continue from, an API without continue_final_message, or nowhere to go
@@ -182,7 +186,7 @@ class Upstream:
     async def _read(self, ex: Exchange) -> AsyncIterator[Event]:
         resp, t, adm = ex.resp, ex.ticket, ex.adm
         assert resp is not None and t is not None
-        b = self.fleet.backends[t.replica]  # type: ignore[index]
+        b = self.fleet.by_rid[t.replica]  # type: ignore[index]
         view, learner, content = b.view, b.learner, resp.content
         offset = ex.resumed  # tokens earlier attempts made: this replica's counts start after them
         sp = EventSplitter()

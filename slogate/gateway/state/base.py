@@ -67,5 +67,9 @@ class SlotStore(ABC):
         """Announce this gateway; return how many gateways are alive (for a safe local share)."""
         return 1
 
+    async def leave(self, owner: str) -> None:  # noqa: B027 - optional
+        """This gateway is shutting down: the others stop counting it at once (not after its
+        heartbeat's TTL), so their share of each budget grows back."""
+
     async def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -179,5 +179,11 @@ class RedisStore(SlotStore):
         except (RedisError, OSError) as e:
             raise StateUnavailable(str(e)) from e
 
+    async def leave(self, owner: str) -> None:
+        try:
+            await self.r.zrem(f"{self.prefix}:gateways", owner)
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
     async def close(self) -> None:
         await self.r.aclose()
