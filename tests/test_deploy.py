@@ -116,24 +116,35 @@ def test_compose_validates_and_every_reference_exists(profile: str) -> None:
         host = next(ROOT / h / Path(path).relative_to(c) for c, h in mounts.items() if path.startswith(c + "/"))
         cfg = load_config(host, env={})
         assert cfg.state.kind == "redis" and cfg.state.url.startswith("redis://redis:")
+        assert cfg.backends and all(b.discovered for b in cfg.backends), "compose backends are found by DNS (they scale)"
         for b in cfg.backends:
-            m = re.match(r"https?://([\w-]+):(\d+)$", b.url)
+            m = re.match(r"dns\+https?://([\w-]+):(\d+)$", b.url)
             assert m, b.url
-            svc = services.get(m.group(1))
-            assert svc is not None, f"{b.url}: no such service in profile {profile}"
-            assert m.group(2) in [str(a) for a in svc["command"]], f"{b.url}: {m.group(1)} does not listen on {m.group(2)}"
+            named = [svc for n, svc in services.items() if m.group(1) == n or m.group(1) in _aliases(svc)]
+            assert named, f"{b.url}: no service or network alias {m.group(1)} in profile {profile}"
+            for svc in named:
+                assert m.group(2) in [str(a) for a in svc["command"]], f"{b.url}: {m.group(1)} does not listen on {m.group(2)}"
 
     # Prometheus scrapes services that exist; Grafana's provisioning points at its files.
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
-    targets = [t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    targets = [t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]]
     assert {"gateway-1:8000", "gateway-2:8000"} <= set(targets)
     for t in targets:
         assert t.split(":")[0] in data["services"], t
+    every = {n for n in data["services"]} | {a for svc in data["services"].values() for a in _aliases(svc)}
+    for job in prom["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            assert set(sd["names"]) <= every, sd  # the engines Prometheus finds by DNS are services or aliases
     ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
     assert ds["datasources"][0]["url"] == "http://prometheus:9090"
     prov = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/slogate.yml").read_text())
     assert prov["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
     assert any(v.endswith(":/var/lib/grafana/dashboards:ro") for v in services["grafana"]["volumes"])
+
+
+def _aliases(svc: dict[str, Any]) -> list[str]:
+    nets = svc.get("networks") or {}
+    return [a for n in (nets.values() if isinstance(nets, dict) else []) for a in (n or {}).get("aliases", [])]
 
 
 def test_compose_validator_rejects_what_compose_would() -> None:
@@ -210,11 +221,12 @@ def test_k8s_references_hold_together() -> None:
     (sts,) = by_kind["StatefulSet"]
     headless = next(s for s in by_kind["Service"] if s["metadata"]["name"] == sts["spec"]["serviceName"])
     assert headless["spec"].get("clusterIP") == "None"
-    for b in cfg.backends:
-        m = re.match(r"http://([\w-]+)-(\d+)\.([\w-]+):(\d+)$", b.url)
+    assert cfg.backends
+    for b in cfg.backends:  # the headless Service's name: every ready pod, as the StatefulSet scales
+        m = re.match(r"dns\+http://([\w-]+):(\d+)$", b.url)
         assert m, b.url
-        assert m.group(1) == sts["metadata"]["name"] and int(m.group(2)) < sts["spec"]["replicas"] and m.group(3) == headless["metadata"]["name"]
-        assert int(m.group(4)) in [p["port"] for p in headless["spec"]["ports"]]
+        assert m.group(1) == headless["metadata"]["name"]
+        assert int(m.group(2)) in [p["port"] for p in headless["spec"]["ports"]]
     assert "--scheduling-policy" in sts["spec"]["template"]["spec"]["containers"][0]["args"]
 
 

@@ -7,6 +7,7 @@ backends:
     budget: 48                    # requests the gateway keeps in flight there
     kind: vllm                    # vllm | sglang | openai
     priority_scheduling: false    # started with --scheduling-policy priority: pass `priority`
+  - url: dns+http://vllm:8000     # every address `vllm` resolves to (headless Service, compose service)
 policies: {ordering: gmax, placement: gorouting, frame_s: 0.3}
 slo:
   default: {kind: auto, ttft_ms: 2000, tbt_ms: 100, deadline_ms: 20000, waiting_ms: 5000}

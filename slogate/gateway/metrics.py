@@ -53,6 +53,10 @@ class Metrics:
                                   ["change"], registry=r)
         self.reloads = Counter("slogate_config_reloads_total", "Config reloads by result (applied, rejected: the old config stays)",
                                ["result"], registry=r)
+        for change in ("joined", "draining", "left"):
+            self.membership.labels(change)  # exported at 0 from the start: a rate, not a missing series
+        for result in ("applied", "rejected"):
+            self.reloads.labels(result)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
 
     BY_BACKEND = ("retries", "inflight", "healthy", "budget", "external", "prompt_tokens", "prefix_cached", "resumes")

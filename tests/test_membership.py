@@ -1,0 +1,88 @@
+"""The fleet's membership rules, without processes: who joins, drains, comes back and is
+forgotten, and what a failed DNS lookup changes (nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from slogate.gateway.config import BackendConfig, DiscoveryConfig, GatewayConfig
+from slogate.gateway.discovery import Discovery, ResolveError
+from slogate.gateway.fleet import Fleet
+from slogate.gateway.metrics import Metrics
+from slogate.router.request import SLO, Request
+
+
+def _fleet(*urls: str) -> Fleet:
+    return Fleet(GatewayConfig.model_validate({"backends": [{"url": u, "models": ["m"], "budget": 20} for u in urls]}), Metrics())
+
+
+def test_reconcile_joins_drains_revives_and_reaps() -> None:
+    f = _fleet("http://a:1", "http://b:1")
+    a, b = f.backends
+    assert f.reconcile([a.cfg, BackendConfig(url="http://c:1", models=["m"])]) is True
+    c = f.named("http://c:1")
+    assert c is not None and not c.view.healthy  # no traffic before a health check
+    assert b.state == "draining" and f.active() == [a, c]
+    # b comes back before it finished leaving (a flapping pod): the same replica, active again
+    assert f.reconcile([a.cfg, b.cfg, c.cfg]) is True
+    assert b.state == "active" and len(f.backends) == 3
+    f.reconcile([a.cfg, c.cfg])
+    req = Request(1, 0.0, 10, SLO.deadline(5.0))
+    b.view.claim(req, 0.0)  # a request still runs there
+    assert f.reap(set()) == [] and b in f.backends
+    b.view.release(req, 1.0)
+    assert f.reap({b.view.rid}) == []  # a ticket still names it
+    assert f.reap(set()) == [b]
+    assert b not in f.backends and b.view.rid not in f.by_rid
+    assert len({x.view.rid for x in f.backends} | {b.view.rid}) == 3  # ids are never reused
+
+
+def test_kept_replica_takes_new_settings_and_drained_stays_out() -> None:
+    f = _fleet("http://a:1", "http://b:1")
+    a, b = f.backends
+    f.reconcile([a.cfg.model_copy(update={"budget": 5, "api_key": "k"}), b.cfg])
+    assert a.learner is not None and a.learner.cap == 5 and a.learner.budget <= 5
+    assert a.headers == {"authorization": "Bearer k"}
+    f.drain(b, leave=False)
+    f.reconcile([a.cfg, b.cfg])  # still configured: an operator's drain is not undone by a reload
+    assert b.state == "drained" and f.active() == [a]
+    f.undrain(b)
+    assert f.active() == [a, b]
+
+
+def test_a_joining_replica_starts_at_its_peers_budget_not_the_cap() -> None:
+    f = _fleet("http://a:1", "http://b:1")
+    for x, budget in zip(f.backends, (6, 8), strict=True):
+        x.view.budget = budget
+    c = f.add(BackendConfig(url="http://c:1", models=["m"], budget=48))
+    assert c.learner is not None and c.learner.budget == 8 and c.view.budget == 8
+
+
+def test_a_failed_lookup_keeps_the_replicas_found_last() -> None:
+    d = Discovery(DiscoveryConfig())
+    answers: list[list[tuple[str, int]] | Exception] = [[("10.0.0.1", 80), ("10.0.0.2", 80)], ResolveError("SERVFAIL"), [("10.0.0.2", 80)]]
+
+    async def fake(host: str, port: int) -> list[tuple[str, int]]:
+        ans = answers.pop(0)
+        if isinstance(ans, Exception):
+            raise ans
+        return ans
+
+    d.resolver.addresses = fake  # type: ignore[method-assign]
+    entries = [BackendConfig(url="dns+http://svc:80", name="svc", budget=7), BackendConfig(url="http://static:1")]
+
+    async def run() -> list[list[str]]:
+        return [[r.url for r in await d.replicas(entries)] for _ in range(3)]
+
+    first, failed, shrunk = asyncio.run(run())
+    assert first == ["http://10.0.0.1:80", "http://10.0.0.2:80", "http://static:1"]
+    assert failed == first
+    assert shrunk == ["http://10.0.0.2:80", "http://static:1"]
+
+
+@pytest.mark.parametrize("url", ["dns+http://svc", "dns+ftp://svc:80", "dns+http://svc:80/v1", "dnssrv+http://"])
+def test_bad_discovered_urls_are_refused_at_load(url: str) -> None:
+    with pytest.raises(ValueError):
+        BackendConfig(url=url)
