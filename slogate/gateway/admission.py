@@ -40,6 +40,9 @@ class Ticket:
     track: Track | None = None
     replica: int | None = None
     last_refine: int = 0
+    # Stops the upstream stream so the answer continues elsewhere (set while a stream can be
+    # resumed: it has a first token and its text so far); a policy's preempt list calls it.
+    preempt: Callable[[], None] | None = None
 
 
 class AdmissionHooks:
@@ -68,7 +71,7 @@ class AdmissionHooks:
 class Admission:
     def __init__(self, scheduler: Scheduler, views: list[ReplicaView], *, hooks: AdmissionHooks | None = None, max_queue: int = 2000,
                  frame_s: float = 0.3, predictor: OnlineLengthPredictor | None = None, refine_every: int = 50,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_preemptions: int = 2) -> None:
         self.scheduler = scheduler
         self.views = views
         self.by_rid = {v.rid: v for v in views}
@@ -78,6 +81,7 @@ class Admission:
         self.predictor = predictor
         self.refine_every = refine_every
         self.clock = clock
+        self.max_preemptions = max_preemptions  # per request: a stream is never bounced around for ever
         self.waiting: dict[int, Ticket] = {}
         self.running: dict[int, Ticket] = {}
         self._ids = itertools.count(1)
@@ -123,7 +127,7 @@ class Admission:
         while True:
             await asyncio.sleep(self.frame_s)
             try:
-                self._schedule()
+                self._schedule(frame=True)
             except Exception:  # a policy bug must not kill the loop that serves everyone
                 log.exception("scheduling failed")
 
@@ -247,30 +251,58 @@ class Admission:
             t.req.len_bound = float(b)
             t.req.len_mean = float(t.req.generated + m)
 
-    def _schedule(self) -> None:
+    def _schedule(self, frame: bool = False) -> None:
         t0 = time.perf_counter()
         now = self.clock()
         self._predict()
         for rid, t in list(self.waiting.items()):
             if t.fut.done():
                 self.waiting.pop(rid, None)
-            elif now > t.wait_until and t.req.kind is not SLOClass.BEST_EFFORT:
+            elif now > t.wait_until and t.req.kind is not SLOClass.BEST_EFFORT and not t.req.generated:
                 self._refuse(t, "waiting_time_exceeded")
-        if self.waiting and any(v.free for v in self.views):
+        # With every replica full, only a frame's decision can preempt (as in the simulator), and
+        # only when some running stream could be preempted: otherwise nothing can change.
+        if self.waiting and (any(v.free for v in self.views) or (frame and any(t.preempt for t in self.running.values()))):
             d = self.scheduler.schedule(now, [t.req for t in self.waiting.values()], self.views)
+            late = []
             for req, reason in d.shed:
                 t = self.waiting.get(req.rid)
-                if t is not None:
+                if t is None:
+                    continue
+                if req.generated:  # a stream its client is reading (resumed, preempted): finished late, never cut
+                    late.append(req)
+                else:
                     self._refuse(t, reason)
             for req, rid in d.dispatch:
-                t = self.waiting.pop(req.rid, None)
-                if t is None or t.fut.done():
-                    self.by_rid[rid].release(req, now)  # its client left meanwhile
-                    continue
-                t.fut.set_result(rid)
-                self.lifecycle.dispatched(req, now)  # `claim` set its replica and dispatch time
-            # d.preempt: live preemption (abort and requeue) is not done by the gateway yet.
+                self._dispatch(req, rid, now)
+            for req in late:  # what is left of the replicas' room goes to them
+                target = self.scheduler.placement.place(now, req, self.views)
+                if target is None:
+                    break
+                target.claim(req, now)
+                self._dispatch(req, target.rid, now)
+            for req in d.preempt:
+                self.preempt(req)
         self.hooks.decided(time.perf_counter() - t0)
+
+    def _dispatch(self, req: Request, rid: int, now: float) -> None:
+        t = self.waiting.pop(req.rid, None)
+        if t is None or t.fut.done():
+            self.by_rid[rid].release(req, now)  # its client left meanwhile
+            return
+        t.fut.set_result(rid)
+        self.lifecycle.dispatched(req, now)  # `claim` set its replica and dispatch time
+
+    def preempt(self, req: Request) -> bool:
+        """Stop `req`'s stream on its replica; it waits again and continues from its text so far
+        (upstream.py). False where it cannot be: not a resumable stream, or preempted enough."""
+        t = self.running.get(req.rid)
+        if t is None or t.preempt is None or req.preemptions >= self.max_preemptions:
+            return False
+        stop, t.preempt = t.preempt, None
+        req.preemptible = False  # until its next first token
+        stop()
+        return True
 
     def _refuse(self, t: Ticket, reason: str) -> None:
         self.waiting.pop(t.req.rid, None)

@@ -294,7 +294,7 @@ class Gateway:
         max_tokens = 1 if prompt is None else prompt.max_tokens
         await self.auth.check_rate(key, n_in + (max_tokens or 256))
         req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
-                          max_tokens=max_tokens, workflow=res.workflow, stage=res.stage)
+                          max_tokens=max_tokens, workflow=res.workflow, stage=res.stage, preemptible=False)
         if prompt is None:
             req.len_bound = req.len_mean = 1.0
         elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:

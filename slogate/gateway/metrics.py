@@ -44,8 +44,12 @@ class Metrics:
                                      "to hold", ["backend"], registry=r)
         self.resumes = Counter("slogate_resumes_total", "Streams moved mid-answer from a failed replica and continued on another "
                                "(the failed one named)", ["backend"], registry=r)
-        self.resume_gap = Histogram("slogate_resume_gap_seconds", "The gap a resumed stream's client saw: last token before the failure "
+        self.resume_gap = Histogram("slogate_resume_gap_seconds", "The gap a resumed stream's client saw: last token before the failure or preemption "
                                     "to first token after it", buckets=_LAT, registry=r)
+        self.preemptions = Counter("slogate_preemptions_total", "Streams the scheduler took off a replica to continue later "
+                                   "(the replica named)", ["backend"], registry=r)
+        self.recompute = Counter("slogate_preempt_recompute_tokens_total", "Prompt and generated tokens of preempted streams, "
+                                 "prefilled again where they continue", registry=r)
         self.replica_state = Gauge("slogate_replica_state", "1 for the replica's membership state: active (takes new requests), "
                                    "draining (finishing its streams, then leaving) or drained (held out by an operator)",
                                    ["backend", "state"], registry=r)
@@ -59,7 +63,7 @@ class Metrics:
             self.reloads.labels(result)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
 
-    BY_BACKEND = ("retries", "inflight", "healthy", "budget", "external", "prompt_tokens", "prefix_cached", "resumes")
+    BY_BACKEND = ("retries", "inflight", "healthy", "budget", "external", "prompt_tokens", "prefix_cached", "resumes", "preemptions")
 
     def forget(self, backend: str) -> None:
         """A replica left: its series go (a scaled-down fleet leaves no stale gauges behind)."""

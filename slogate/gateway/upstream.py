@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -54,6 +55,10 @@ def _with_usage(ev: bytes, info: EventInfo) -> bytes:
 
 class _Retryable(Exception):
     pass
+
+
+class Preempted(Exception):
+    """Raised into a stream's reader when the scheduler takes its replica slot back."""
 
 
 class Upstream:
@@ -157,6 +162,21 @@ class Upstream:
                 async for item in self._read(ex):
                     yield item
                 return
+            except Preempted:
+                t = ex.ticket
+                assert t is not None and ex.resp is not None
+                b = self.fleet.by_rid[t.replica]  # type: ignore[index]
+                ex.resp.close()  # the engine aborts the sequence and frees its KV
+                ex.ticket = None
+                self.metrics.preemptions.labels(b.name).inc()
+                # What the next replica prefills again: the prompt and the answer so far (less
+                # where its prefix cache still holds them).
+                self.metrics.recompute.inc(t.req.input_tokens + t.req.generated)
+                log.info("stream on %s preempted after %d tokens: it waits and continues", b.name, t.req.generated)
+                ex.resumed = t.req.generated
+                ex.adm.requeue(t)
+                await self._wait_again(ex, t)
+                await self.open(ex)
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 t = ex.ticket
                 if t is None or moves >= self.cfg.retries:
@@ -230,6 +250,9 @@ class Upstream:
                         first = False
                         if offset and before is not None:
                             self.metrics.resume_gap.observe(now - before)
+                        if ex.text is not None and b.cfg.kind != "openai":
+                            t.preempt = partial(content.set_exception, Preempted())  # resumable from here on
+                            t.req.preemptible = True
                     elif n:
                         # Measured decode speed corrects the replica's latency model online (β).
                         view.model.observe(gap, view.model.raw_decode_step_time(n, kv // n * n))

@@ -110,6 +110,7 @@ class Request:
     finished_at: float | None = None
     replica: int | None = None
     preemptions: int = 0
+    preemptible: bool = True  # the driver can stop it and continue it later (live: a resumable stream past its first token)
     shed_reason: str | None = None
     # Prompt as chained block hashes (router/prefix.py) and the prompt tokens one block holds;
     # `cached` is the prefix hit (tokens) on the replica it was last dispatched to.

@@ -239,7 +239,7 @@ class GMAX(OrderingPolicy):
                 continue
             # A latency stream is being read by a person: pausing it is a visible stall, so
             # only requests that are not paced to a reader can be preempted.
-            running = [r for r in p.decoding.values() if r.slo.kind is not SLOClass.LATENCY]
+            running = [r for r in p.decoding.values() if r.slo.kind is not SLOClass.LATENCY and r.preemptible]
             if not running:
                 continue
             # Conservative bounds decide admission; killing work needs the victim to look

@@ -1,0 +1,138 @@
+"""Live preemption on simulated engines: GMAX with its preempt list carried out (the default) vs
+the same gateway with `policies.params.preempt: false`, on the same arrivals (docs/benchmarks.md).
+
+The mix where preemption matters: long best-effort answers (a batch job streaming its results)
+occupy the replicas, while deadline answers of moderate length arrive that cannot wait for a
+long one to finish. Replicas are small (`--budget`, a knob: the engines are fixed-latency
+simulations, so without a cap their learned budget would never fill). Each system gets the
+same Poisson arrivals per repeat; a deadline request meets its SLO when its stream ended by its
+deadline, a best-effort one when it completed. Token goodput = output tokens of requests that
+met their SLO per second of the window.
+
+    python bench/preemption_live.py --scales 0.5,1,1.5 --repeats 3 --out bench/results/preemption_live.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slogate.testing.fleet import MODEL
+from slogate.testing.loadgen import stream_once
+from slogate.testing.ports import free_port
+from slogate.testing.procs import slogate, stop, wait_http
+from slogate.testing.prom import metric
+
+
+def arrivals(scale: float, a: argparse.Namespace, seed: int) -> list[tuple[float, str]]:
+    rng = random.Random(seed)
+    out = []
+    for kind, rate in (("best_effort", a.be_rate * scale), ("deadline", a.dl_rate * scale)):
+        t = rng.expovariate(rate)
+        while t < a.duration:
+            out.append((t, kind))
+            t += rng.expovariate(rate)
+    return sorted(out)
+
+
+async def replay(url: str, arr: list[tuple[float, str]], a: argparse.Namespace) -> list[dict]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        t0 = asyncio.get_running_loop().time()
+
+        async def one(at: float, kind: str) -> dict:
+            await asyncio.sleep(max(0.0, t0 + at - asyncio.get_running_loop().time()))
+            n = a.be_tokens if kind == "best_effort" else a.dl_tokens
+            slo = {"kind": "best_effort"} if kind == "best_effort" else {"deadline_ms": a.dl_deadline_s * 1000, "waiting_ms": a.dl_deadline_s * 1000}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"{kind} {at}"}], "max_tokens": n, "stream": True,
+                    "ignore_eos": True, "slo": slo}
+            r = await stream_once(s, f"{url}/v1/chat/completions", body, 600)
+            ok = r.complete and r.tokens == n and (kind == "best_effort" or r.ended - r.started <= a.dl_deadline_s)
+            return {"kind": kind, "tokens": r.tokens, "ok": ok, "status": r.status, "e2e": r.ended - r.started,
+                    "intact": r.text == "".join(f"tok{i} " for i in range(r.tokens))}
+
+        return await asyncio.gather(*(one(at, k) for at, k in arr))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scales", default="0.5,1,1.5")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=4)
+    ap.add_argument("--itl-ms", type=float, default=20.0)
+    ap.add_argument("--be-rate", type=float, default=0.1)
+    ap.add_argument("--be-tokens", type=int, default=2000)
+    ap.add_argument("--dl-rate", type=float, default=1.2)
+    ap.add_argument("--dl-tokens", type=int, default=300)
+    ap.add_argument("--dl-deadline-s", type=float, default=9.0)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    procs, urls = [], []
+    for _ in range(a.engines):
+        p = free_port()
+        procs.append(slogate("engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", "30", "--fixed-itl-ms", str(a.itl_ms),
+                             "--max-num-seqs", "256"))
+        urls.append(f"http://127.0.0.1:{p}")
+    for u in urls:
+        wait_http(f"{u}/v1/models")
+    tmp = Path(tempfile.mkdtemp())
+    off = tmp / "no-preempt.yaml"
+    off.write_text(yaml.safe_dump({"policies": {"params": {"preempt": False}}}))
+    rows = []
+    try:
+        for scale in [float(x) for x in a.scales.split(",")]:
+            for rep in range(a.repeats):
+                arr = arrivals(scale, a, rep)
+                order = ["preempt", "no-preempt"] if rep % 2 == 0 else ["no-preempt", "preempt"]
+                for system in order:
+                    port = free_port()
+                    args = ["serve", "--port", str(port), "--log-level", "warning", "--budget", str(a.budget),
+                            *[x for u in urls for x in ("--backend", u)]]
+                    if system == "no-preempt":
+                        args += ["--config", str(off)]
+                    gw = slogate(*args)
+                    url = f"http://127.0.0.1:{port}"
+                    try:
+                        wait_http(f"{url}/health")
+                        res = asyncio.run(replay(url, arr, a))
+                        pre = metric(url, "slogate_preemptions_total")
+                        gaps = metric(url, "slogate_resume_gap_seconds_sum") / max(metric(url, "slogate_resume_gap_seconds_count"), 1)
+                    finally:
+                        stop([gw])
+                    good = sum(r["tokens"] for r in res if r["ok"]) / a.duration
+                    row = {"scale": scale, "repeat": rep, "system": system, "sent": len(res),
+                           "goodput": round(good, 1), "attainment": round(sum(r["ok"] for r in res) / max(len(res), 1), 3),
+                           "deadline_attainment": round(sum(r["ok"] for r in res if r["kind"] == "deadline")
+                                                        / max(sum(r["kind"] == "deadline" for r in res), 1), 3),
+                           "best_effort_done": sum(r["ok"] for r in res if r["kind"] == "best_effort"),
+                           "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
+                           "not_intact": sum(not r["intact"] for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if a.out:
+                        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+    finally:
+        stop(procs)
+    print("\n| scale | preempt: goodput (tok/s), deadline attainment, per repeat | no-preempt: the same | median ratio |")
+    print("|---:|---|---|---:|")
+    for scale in sorted({r["scale"] for r in rows}):
+        cell = {s: [r for r in rows if r["scale"] == scale and r["system"] == s] for s in ("preempt", "no-preempt")}
+        fmt = {s: ", ".join(f"{r['goodput']:g} / {r['deadline_attainment']:.0%}" for r in v) for s, v in cell.items()}
+        med = {s: statistics.median(r["goodput"] for r in v) for s, v in cell.items() if v}
+        ratio = med["preempt"] / med["no-preempt"] if med.get("no-preempt") else float("nan")
+        print(f"| {scale:g} | {fmt['preempt']} | {fmt['no-preempt']} | {ratio:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
