@@ -52,11 +52,17 @@ async def replay(url: str, arr: list[tuple[float, str]], a: argparse.Namespace) 
         async def one(at: float, kind: str) -> dict:
             await asyncio.sleep(max(0.0, t0 + at - asyncio.get_running_loop().time()))
             n = a.be_tokens if kind == "best_effort" else a.dl_tokens
-            slo = {"kind": "best_effort"} if kind == "best_effort" else {"deadline_ms": a.dl_deadline_s * 1000, "waiting_ms": a.dl_deadline_s * 1000}
+            if kind == "deadline":
+                slo = {"deadline_ms": a.dl_deadline_s * 1000, "waiting_ms": a.dl_deadline_s * 1000}
+            elif a.be_deadline_s:  # long answers with a deadline of their own: hopeless once they waited too long
+                slo = {"deadline_ms": a.be_deadline_s * 1000, "waiting_ms": a.be_deadline_s * 1000}
+            else:
+                slo = {"kind": "best_effort"}
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"{kind} {at}"}], "max_tokens": n, "stream": True,
                     "ignore_eos": True, "slo": slo}
             r = await stream_once(s, f"{url}/v1/chat/completions", body, 600)
-            ok = r.complete and r.tokens == n and (kind == "best_effort" or r.ended - r.started <= a.dl_deadline_s)
+            limit = a.dl_deadline_s if kind == "deadline" else a.be_deadline_s or float("inf")
+            ok = r.complete and r.tokens == n and r.ended - r.started <= limit
             return {"kind": kind, "tokens": r.tokens, "ok": ok, "status": r.status, "e2e": r.ended - r.started,
                     "intact": r.text == "".join(f"tok{i} " for i in range(r.tokens))}
 
@@ -73,6 +79,7 @@ def main() -> None:
     ap.add_argument("--itl-ms", type=float, default=20.0)
     ap.add_argument("--be-rate", type=float, default=0.1)
     ap.add_argument("--be-tokens", type=int, default=2000)
+    ap.add_argument("--be-deadline-s", type=float, default=0.0, help="> 0: the long answers are deadline requests with this deadline")
     ap.add_argument("--dl-rate", type=float, default=1.2)
     ap.add_argument("--dl-tokens", type=int, default=300)
     ap.add_argument("--dl-deadline-s", type=float, default=9.0)
