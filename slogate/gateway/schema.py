@@ -234,5 +234,11 @@ def openapi(app: Any) -> dict[str, Any]:
             schema["paths"][path]["get"]["responses"][code] = {
                 "description": "unavailable" if code == "503" else _ERRORS[code],
                 "content": {"application/json": {"schema": {"type": "object"} if code == "503" else _ERR}}}
+    admin = {"400": "the new config was rejected (the running one stays)", "401": _ERRORS["401"], "403": "no admin key is configured",
+             "404": "no backend of that name", "409": "started without a config source to reload from"}
+    for path, codes in (("/admin/backends/{name}/drain", ("401", "403", "404")), ("/admin/backends/{name}/undrain", ("401", "403", "404")),
+                        ("/admin/reload", ("400", "401", "403", "409"))):
+        for code in codes:
+            schema["paths"][path]["post"]["responses"][code] = {"description": admin[code], "content": {"application/json": {"schema": _ERR}}}
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     return schema
