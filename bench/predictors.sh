@@ -26,8 +26,8 @@ for P in qrf mean oracle; do
     --predictor $P --predictor-model $OUT/len.model --out bench/results/predictor_sim_$P.json
 done
 
-# 5. Stage sub-deadlines: uniform vs pattern matching vs true shares.
-for S in uniform pattern oracle; do
+# 5. Stage sub-deadlines: whole deadline vs uniform vs pattern matching vs true shares.
+for S in whole uniform pattern oracle; do
   slogate simulate --trace $D/trace_azure2023_conv.csv --workflows $D/workflows_chatdev.jsonl \
     --mix latency=1,deadline=1,compound=2 --rate-scale 16 --replicas 8 --duration-s 300 \
     --policies gmax+gorouting,edf+least-load --stage-estimate $S --out bench/results/stage_estimate_chatdev_$S.json

@@ -42,7 +42,7 @@ def simulate(
     predictor: Annotated[str, typer.Option(help="oracle | noisy | mean | qrf")] = "mean",
     predictor_model: Annotated[Path | None, typer.Option(exists=True, dir_okay=False, help="for --predictor qrf: a train-predictor model file")] = None,
     prompts: Annotated[str | None, typer.Option(help="for qrf: prompts_*.jsonl to pair requests with (default: those beside the trace)")] = None,
-    stage_estimate: Annotated[str | None, typer.Option(help="workflow sub-deadlines: uniform | pattern | oracle (default: pattern; oracle with --predictor oracle)")] = None,
+    stage_estimate: Annotated[str | None, typer.Option(help="workflow sub-deadlines: whole (none: every call gets the workflow deadline) | uniform | pattern | oracle (default: pattern; oracle with --predictor oracle)")] = None,
     budget: Annotated[int, typer.Option(min=1, help="gateway's per-replica concurrency budget")] = 48,
     learn_budget: Annotated[bool, typer.Option(help="learn each replica's budget online as `slogate serve` does (--budget: the cap)")] = False,
     tokens_per_id: Annotated[int, typer.Option(min=1, help="prefix traces: prompt tokens per block hash id (the trace's own: 512)")] = 512,

@@ -12,8 +12,9 @@ from servers import ServerThread
 
 from slogate.gateway.app import create_app
 from slogate.gateway.auth import key_hash
-from slogate.gateway.config import GatewayConfig
-from slogate.gateway.slo import WorkflowRegistry, resolve
+from slogate.gateway.config import GatewayConfig, WorkflowsConfig
+from slogate.gateway.slo import resolve
+from slogate.gateway.workflows import WorkflowBook
 from slogate.sim.server import create_engine_app
 
 MODEL = "sim-model"
@@ -36,9 +37,9 @@ def cfg(engine_url: str, state: dict | None = None) -> GatewayConfig:
 def test_key_tier_is_authoritative_and_the_slo_floor_clamps() -> None:
     c = cfg("http://127.0.0.1:1")
     gold = c.auth.keys[0]
-    r = resolve({"model": MODEL, "stream": True, "priority": "basic", "slo": {"ttft_ms": 50, "tbt_ms": 10}}, {}, c, WorkflowRegistry(), 0.0, gold)
+    r = resolve({"model": MODEL, "stream": True, "priority": "basic", "slo": {"ttft_ms": 50, "tbt_ms": 10}}, {}, c, WorkflowBook(WorkflowsConfig()), 0.0, gold)
     assert r.tier.name == "gold" and r.slo.ttft_s == 0.5 and r.slo.tbt_s == 0.04 and r.sources["ttft_ms"] == "key_floor"
-    r2 = resolve({"model": MODEL, "stream": True, "slo": {"ttft_ms": 900}}, {}, c, WorkflowRegistry(), 0.0, gold)
+    r2 = resolve({"model": MODEL, "stream": True, "slo": {"ttft_ms": 900}}, {}, c, WorkflowBook(WorkflowsConfig()), 0.0, gold)
     assert r2.slo.ttft_s == 0.9  # looser than the floor: as asked
 
 

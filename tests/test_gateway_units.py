@@ -4,13 +4,18 @@ import asyncio
 import itertools
 
 import pytest
+from helpers import view
 
-from slogate.gateway.config import GatewayConfig
+from slogate.gateway.admission import Admission, Ticket
+from slogate.gateway.config import GatewayConfig, WorkflowsConfig
 from slogate.gateway.errors import APIError
 from slogate.gateway.pacing import Pacer, paced
-from slogate.gateway.slo import WorkflowRegistry, resolve
+from slogate.gateway.slo import resolve
 from slogate.gateway.sse import inspect
-from slogate.router.request import SLOClass
+from slogate.gateway.workflows import WorkflowBook
+from slogate.router.registry import make_ordering, make_placement
+from slogate.router.request import SLO, Request, SLOClass
+from slogate.router.scheduler import Scheduler
 
 CFG = GatewayConfig.model_validate({
     "backends": [{"url": "http://127.0.0.1:1"}],
@@ -21,7 +26,7 @@ CFG = GatewayConfig.model_validate({
 
 
 def r(body: dict, headers: dict | None = None, now: float = 100.0):
-    return resolve({"model": "m", **body}, headers or {}, CFG, WorkflowRegistry(), now)
+    return resolve({"model": "m", **body}, headers or {}, CFG, WorkflowBook(WorkflowsConfig()), now)
 
 
 def test_defaults_stream_is_latency_and_plain_is_deadline() -> None:
@@ -54,11 +59,14 @@ def test_best_effort_tier_and_our_fields_stripped() -> None:
 
 
 def test_workflows_share_one_deadline() -> None:
-    reg = WorkflowRegistry()
+    reg = WorkflowBook(WorkflowsConfig())
     a = resolve({"model": "m", "workflow": {"id": "w", "stage": 0, "deadline_ms": 10_000}}, {}, CFG, reg, 100.0)
     b = resolve({"model": "m", "workflow": {"id": "w", "stage": 1}}, {}, CFG, reg, 104.0)
     assert a.slo.kind is SLOClass.COMPOUND and a.slo.deadline_s == pytest.approx(10.0)
     assert b.slo.deadline_s == pytest.approx(6.0) and b.stage == 1 and b.workflow is a.workflow
+    assert a.waiting_s == pytest.approx(10.0) and b.waiting_s == pytest.approx(6.0)  # a call may wait while its workflow can make it
+    c = resolve({"model": "m", "workflow": {"id": "w"}, "slo": {"waiting_ms": 500}}, {}, CFG, reg, 105.0)
+    assert c.waiting_s == pytest.approx(0.5)  # unless it says otherwise
     h = resolve({"model": "m"}, {"x-slogate-workflow-id": "v", "x-slogate-workflow-stage": "2"}, CFG, reg, 0.0)
     assert h.workflow is not None and h.stage == 2
 
@@ -160,3 +168,23 @@ def test_events_read_together_are_one_pace_observation() -> None:
         p.due(1.05, 1)  # three tokens in one read, 30 ms after the previous
     assert p.gap == pytest.approx(0.8 * 0.02 + 0.2 * 0.01)
     assert p.due(1.07, 1) > 1.07  # still held behind the engine
+
+
+def test_a_stream_with_its_whole_answer_out_is_never_preempted() -> None:
+    """Preempted after its last token (its finish still to come), a stream would be continued for
+    one more token: the gateway refuses such a preemption, and a finish ends preemptibility."""
+    assert inspect(b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n').finished
+    assert not inspect(b'data: {"choices":[{"delta":{"content":"a"},"finish_reason":null}]}\n\n').finished
+
+    async def go() -> list[int]:
+        adm = Admission(Scheduler(make_ordering("fcfs"), make_placement("least-load")), [view(0)])
+        stopped: list[int] = []
+        for rid, generated in ((1, 19), (2, 20)):
+            req = Request(rid, 0.0, 10, SLO.best_effort(), max_tokens=20, generated=generated)
+            t = Ticket(req, asyncio.get_running_loop().create_future(), 1e9, replica=0)
+            t.preempt = lambda rid=rid: stopped.append(rid)
+            adm.running[rid] = t
+            assert adm.preempt(req) is (generated < 20)
+        return stopped
+
+    assert asyncio.run(go()) == [1]

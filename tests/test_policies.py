@@ -116,6 +116,30 @@ def test_gmax_preempts_a_hopeless_running_request_only_when_the_gain_beats_the_s
     assert GMAX().select(5.0, [req(1, arrival=5.0, inp=2000, bound=50)], 0, [rep2]).preempt == []
 
 
+def test_gmax_preempts_a_latency_stream_only_while_it_is_ahead_of_its_timeline():
+    """Slack-aware preemption: a stream far ahead of its reader yields its slot to a request that
+    cannot wait; one at its timeline is never paused; lead_factor=0 (the default) turns it off."""
+
+    def full(generated: int) -> tuple:
+        rep = view(budget=1)
+        s = req(9, arrival=0.0, inp=200, slo=SLO.latency(1.0, 0.1), bound=300)
+        rep.claim(s, 0.0)
+        rep.first_token(s, 0.2)
+        s.generated = generated
+        return rep, s
+
+    urgent = req(1, arrival=4.9, inp=200, slo=SLO.deadline(2.0), bound=50)  # 2 s: cannot wait for 300 more tokens
+    rep, ahead = full(generated=200)  # token 200 is due at 1 + 200 × 0.1 = 21 s: 16 s ahead at t = 5
+    assert GMAX(lead_factor=3).select(5.0, [urgent], 0, [rep]).preempt == [ahead]
+    assert GMAX().select(5.0, [urgent], 0, [full(200)[0]]).preempt == []
+    rep, _ = full(generated=40)  # token 40 due at 5 s: no lead at all
+    assert GMAX(lead_factor=3).select(5.0, [urgent], 0, [rep]).preempt == []
+    rep, _ = full(generated=42)  # 0.2 s ahead: less than 3 × (recompute + a frame)
+    assert GMAX(lead_factor=3).select(5.0, [urgent], 0, [rep]).preempt == []
+    patient = req(2, arrival=4.9, inp=200, slo=SLO.deadline(30.0), bound=50)  # can wait for a slot to free
+    assert GMAX(lead_factor=3).select(5.0, [patient], 0, [full(200)[0]]).preempt == []
+
+
 def test_gmax_adapts_cutoff_toward_the_arm_with_more_goodput():
     g = GMAX(frame_s=1.0, explore=0.0)
     good_arm = g.cutoffs.index(0.7)
@@ -233,3 +257,26 @@ def test_policy_parameters_are_checked_when_the_config_loads() -> None:
         GatewayConfig.model_validate(base | {"policies": {"placement_params": {"alpha": "high"}}})
     with pytest.raises(ValueError, match="starvation_s"):
         make_ordering("ltr", starvation=3)
+
+
+def test_scheduler_never_sheds_a_stream_its_client_is_reading():
+    """A request that has streamed tokens (preempted, or resumed after a replica failed) is past
+    hope but is finished late in the room left, never cut; one that streamed nothing is shed.
+    The rule lives in the core, so the simulator and the gateway both follow it."""
+    from slogate.router.placement import LeastLoad
+    from slogate.router.scheduler import Scheduler
+
+    def hopeless(rid: int, generated: int):  # type: ignore[no-untyped-def]
+        r = req(rid, arrival=0.0, inp=200, slo=SLO.latency(0.5, 0.05), bound=100)
+        r.generated = generated
+        return r
+
+    reading, fresh = hopeless(1, generated=30), hopeless(2, generated=0)
+    rep = view(budget=4)
+    d = Scheduler(GMAX(preempt=False), LeastLoad()).schedule(100.0, [reading, fresh], [rep])
+    assert [r for r, _ in d.shed] == [fresh]
+    assert [r for r, _ in d.dispatch] == [reading] and reading.replica == rep.rid
+    full = view(budget=1)
+    full.claim(req(9), 0.0)
+    d = Scheduler(GMAX(preempt=False), LeastLoad()).schedule(100.0, [hopeless(3, 30)], [full])
+    assert d.shed == [] and d.dispatch == []  # no room: it waits, still not shed

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from slogate.gateway.config import ENV_OVERRIDES, GatewayConfig, load_config
+from slogate.gateway.config import ENV_OVERRIDES, GatewayConfig, WorkflowsConfig, load_config
 from slogate.gateway.errors import APIError
 from slogate.gateway.reference import REFERENCES, config_rows, metric_rows, stale
-from slogate.gateway.slo import BODY_FIELDS, HEADERS, WorkflowRegistry, resolve
+from slogate.gateway.slo import BODY_FIELDS, HEADERS, resolve
+from slogate.gateway.workflows import WorkflowBook
 
 ROOT = Path(__file__).resolve().parent.parent
 REF = ROOT / "docs" / "reference"
@@ -62,7 +63,7 @@ def test_slogate_config_variable_selects_the_file(tmp_path, monkeypatch) -> None
 
 
 def _sample(unit: str) -> object:
-    return {"ms": 1234, "s": 1.5, "int": 2, "string": "latency", "string | int": "high"}[unit]
+    return {"ms": 1234, "s": 1.5, "int": 2, "string": "latency", "string | int": "high", "bool": True}[unit]
 
 
 @pytest.mark.parametrize("name,unit,_", BODY_FIELDS)
@@ -79,9 +80,10 @@ def test_every_documented_body_field_takes_effect(name: str, unit: str, _: str) 
     body: dict[str, object] = {"model": "m", "messages": [], head: {leaf: value} if leaf else value}
     if head == "workflow" and leaf != "id":
         body["workflow"] = {"id": "w", leaf: value}  # type: ignore[dict-item]
-    base = resolve({"model": "m", "messages": []}, {}, cfg, WorkflowRegistry(), now=0.0)
-    got = resolve(body, {}, cfg, WorkflowRegistry(), now=0.0)
-    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage) != (base.slo, base.tier, base.waiting_s, base.workflow, base.stage), name
+    base = resolve({"model": "m", "messages": []}, {}, cfg, WorkflowBook(WorkflowsConfig()), now=0.0)
+    got = resolve(body, {}, cfg, WorkflowBook(WorkflowsConfig()), now=0.0)
+    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage, got.label, got.final) != \
+        (base.slo, base.tier, base.waiting_s, base.workflow, base.stage, base.label, base.final), name
     assert head not in got.body or head == "service_tier"  # ours are removed before going upstream; OpenAI's field stays
     bad = dict(body)
     if unit in ("ms", "s"):
@@ -89,7 +91,7 @@ def test_every_documented_body_field_takes_effect(name: str, unit: str, _: str) 
         if head == "workflow":
             bad["workflow"] = {"id": "w", leaf: -1}
         with pytest.raises(APIError) as e:
-            resolve(bad, {}, cfg, WorkflowRegistry(), now=0.0)
+            resolve(bad, {}, cfg, WorkflowBook(WorkflowsConfig()), now=0.0)
         assert e.value.status == 400
 
 
@@ -102,9 +104,10 @@ def test_every_documented_header_takes_effect(name: str, unit: str, _: str) -> N
     if name == "x-slogate-workflow-deadline-ms":
         headers["x-slogate-workflow-id"] = "w"
     base = resolve({"model": "m"}, {"x-slogate-workflow-id": "w"} if "workflow" in name and "id" not in name else {}, cfg,
-                   WorkflowRegistry(), now=0.0)
-    got = resolve({"model": "m"}, headers, cfg, WorkflowRegistry(), now=0.0)
-    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage) != (base.slo, base.tier, base.waiting_s, base.workflow, base.stage), name
+                   WorkflowBook(WorkflowsConfig()), now=0.0)
+    got = resolve({"model": "m"}, headers, cfg, WorkflowBook(WorkflowsConfig()), now=0.0)
+    assert (got.slo, got.tier, got.waiting_s, got.workflow, got.stage, got.label, got.final) != \
+        (base.slo, base.tier, base.waiting_s, base.workflow, base.stage, base.label, base.final), name
 
 
 def test_slo_reference_names_the_precedence_and_every_entry() -> None:

@@ -264,23 +264,12 @@ class Admission:
         # only when some running stream could be preempted: otherwise nothing can change.
         if self.waiting and (any(v.free for v in self.views) or (frame and any(t.preempt for t in self.running.values()))):
             d = self.scheduler.schedule(now, [t.req for t in self.waiting.values()], self.views)
-            late = []
-            for req, reason in d.shed:
+            for req, reason in d.shed:  # never one its client is reading (the scheduler's rule)
                 t = self.waiting.get(req.rid)
-                if t is None:
-                    continue
-                if req.generated:  # a stream its client is reading (resumed, preempted): finished late, never cut
-                    late.append(req)
-                else:
+                if t is not None:
                     self._refuse(t, reason)
             for req, rid in d.dispatch:
                 self._dispatch(req, rid, now)
-            for req in late:  # what is left of the replicas' room goes to them
-                target = self.scheduler.placement.place(now, req, self.views)
-                if target is None:
-                    break
-                target.claim(req, now)
-                self._dispatch(req, target.rid, now)
             for req in d.preempt:
                 self.preempt(req)
         self.hooks.decided(time.perf_counter() - t0)
@@ -295,10 +284,13 @@ class Admission:
 
     def preempt(self, req: Request) -> bool:
         """Stop `req`'s stream on its replica; it waits again and continues from its text so far
-        (upstream.py). False where it cannot be: not a resumable stream, or preempted enough."""
+        (upstream.py). False where it cannot be: not a resumable stream, preempted enough, or with
+        its whole answer out."""
         t = self.running.get(req.rid)
         if t is None or t.preempt is None or req.preemptions >= self.max_preemptions:
             return False
+        if req.max_tokens is not None and req.generated >= req.max_tokens:
+            return False  # every token is out (its finish has yet to come): nothing is left to resume
         stop, t.preempt = t.preempt, None
         req.preemptible = False  # until its next first token
         stop()

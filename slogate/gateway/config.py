@@ -185,6 +185,20 @@ class DiscoveryConfig(_Strict):
         return v
 
 
+class WorkflowsConfig(_Strict):
+    """Agent workflows (calls sharing a `workflow.id`): stage sub-deadlines from pattern graphs
+    of finished workflows (JITServe §4.1; gateway/workflows.py)."""
+
+    stage_deadlines: bool = Field(True, description="Give each call its stage's share of the workflow deadline, matched against the "
+                                  "pattern graphs of finished workflows; off, or before any history matches: the whole workflow deadline.")
+    history: Path | None = Field(None, description="Finished workflows to match against from the start: JSON lines of `{workflow_id, calls: "
+                                 "[{call_id, stage, input_tokens, output_tokens, gap_before_s, phase|kind|tool|model}]}`.")
+    learn: bool = Field(True, description="Add each finished live workflow to the patterns (ended by a call with `workflow.final`, "
+                        "else `idle_s` after its deadline).")
+    idle_s: float = Field(10.0, ge=0, le=86_400, description="A workflow with no `final` call is taken as finished this long after its deadline, s.")
+    capacity: int = Field(500, ge=1, le=100_000, description="Pattern graphs kept at most (the least reused are evicted).")
+
+
 class KeyConfig(_Strict):
     """One API key, stored as the SHA-256 hex of the key (the key itself never is)."""
 
@@ -240,6 +254,7 @@ class GatewayConfig(_Strict):
                                  description="The smoothing buffer for latency streams (`true` / `false` turn it on / off).")
     health_interval_s: float = Field(1.0, gt=0, description="Backend health-check period, s.")
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig, description="DNS discovery of `dns+` / `dnssrv+` backends.")
+    workflows: WorkflowsConfig = Field(default_factory=WorkflowsConfig, description="Agent workflows: stage sub-deadlines.")
     shutdown_grace_s: float = Field(30.0, gt=0, description="On SIGTERM, requests in flight get this long to finish before they are cut, s.")
     capacity: CapacityConfig = Field(default_factory=CapacityConfig, description="Learned per-replica budgets.")
     prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="Prefix-cache-aware placement.")
@@ -255,7 +270,7 @@ class GatewayConfig(_Strict):
 
 # Sections a running gateway cannot swap: a reload (SIGHUP, file change) that changes them logs
 # a warning and keeps the running values until a restart. Everything else applies to new requests.
-RESTART_ONLY = ("state", "prefix", "predictor", "capacity", "shutdown_grace_s")
+RESTART_ONLY = ("state", "prefix", "predictor", "capacity", "workflows", "shutdown_grace_s")
 
 
 # Environment overrides (applied over the file by `load_config`; documented from here).

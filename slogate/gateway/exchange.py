@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from slogate.gateway.admission import Admission, Ticket
 from slogate.gateway.slo import Resolved
+from slogate.gateway.workflows import LiveCall
 from slogate.router.goodput import RequestLedger
 from slogate.router.request import Request as CoreRequest
 
@@ -37,6 +38,7 @@ class Exchange:
     text: list[str] | None = None
     resumed: int = 0
     prompt_tokens: int | None = None
+    call: LiveCall | None = None  # its place in an agent workflow (stage, sub-deadline), told when it ends
 
 
 async def _disconnected(request: Request) -> None:

@@ -41,8 +41,16 @@ class Backend:
     learner: CapacityLearner | None = None
     external: float = 0.0  # requests the engine holds that no gateway sent (from its /metrics)
     kv_usage: float | None = None
-    headers: dict[str, str] = field(default_factory=dict)  # what every request to it carries (its API key)
+    headers: dict[str, str] = field(init=False)  # what every request to it carries (its API key)
     state: str = "active"  # active | draining (leaving once idle) | drained (held out by an operator)
+
+    def __post_init__(self) -> None:
+        self.use(self.cfg)
+
+    def use(self, bc: BackendConfig) -> None:
+        """Its settings (from the config, or a reload's): the headers follow the key."""
+        self.cfg = bc
+        self.headers = {"authorization": f"Bearer {bc.api_key}"} if bc.api_key else {}
 
 
 def engine_gauges(text: str) -> tuple[float | None, float | None, tuple[int, int] | None]:
@@ -99,8 +107,7 @@ class Fleet:
         view.healthy = checked
         if cfg.prefix.enabled:
             view.cache = PrefixCache(self.cache_blocks(bc.kv_cache_tokens or cfg.prefix.kv_tokens))
-        b = Backend(bc, view, bc.name or bc.url, set(bc.models), learner=learner,
-                    headers={"authorization": f"Bearer {bc.api_key}"} if bc.api_key else {})
+        b = Backend(bc, view, bc.name or bc.url, set(bc.models), learner=learner)
         self.backends.append(b)
         self.by_rid[rid] = b
         if not checked:
@@ -171,8 +178,7 @@ class Fleet:
     def _update(self, b: Backend, bc: BackendConfig) -> None:
         """The same replica with new settings (budget, key, models, name): applies from now on."""
         old = b.cfg
-        b.cfg = bc
-        b.headers = {"authorization": f"Bearer {bc.api_key}"} if bc.api_key else {}
+        b.use(bc)
         if bc.models != old.models:
             b.models = set(bc.models)  # empty: re-read from /v1/models by the next check
         if b.learner is not None:

@@ -40,16 +40,17 @@ from slogate.gateway.metrics import Metrics
 from slogate.gateway.pacing import Pacer
 from slogate.gateway.relay import Relay, usage_of
 from slogate.gateway.schema import POOLING, validate_body
-from slogate.gateway.slo import Resolved, WorkflowRegistry, resolve
+from slogate.gateway.slo import Resolved, resolve
 from slogate.gateway.statesync import StateSync
 from slogate.gateway.upstream import Upstream, resumable
+from slogate.gateway.workflows import WorkflowBook
 from slogate.predictors.features import PromptInput, prompt_from_body
 from slogate.predictors.online import OnlineLengthPredictor
 from slogate.router.goodput import RequestLedger
 from slogate.router.prefix import text_block_hashes
 from slogate.router.registry import make_ordering, make_placement
+from slogate.router.request import SLO, SLOClass
 from slogate.router.request import Request as CoreRequest
-from slogate.router.request import SLOClass
 from slogate.router.scheduler import Scheduler
 
 log = logging.getLogger("slogate.gateway")
@@ -98,7 +99,7 @@ class Gateway:
         on `POST /admin/reload`, and when the file `watch` changes."""
         self.cfg = cfg
         self.metrics = Metrics()
-        self.workflows = WorkflowRegistry()
+        self.workflows = WorkflowBook(cfg.workflows)
         self.fleet = Fleet(cfg, self.metrics)
         self.backends = self.fleet.backends  # the same list: replicas join and leave in place
         self.discovery = Discovery(cfg.discovery)
@@ -173,7 +174,7 @@ class Gateway:
                 self._sync_groups()
                 await self._retire_idle()
                 self.refresh_gauges()
-                self.workflows.expire(time.monotonic())
+                await self.workflows.expire(time.monotonic())
                 if self.watch is not None and _file_stamp(self.watch) != self._stamp:
                     await self.reload_from_source(f"{self.watch} changed")
             except Exception:  # the loop that keeps the fleet's picture must outlive any one bug
@@ -293,6 +294,10 @@ class Gateway:
         n_in = max(body_size // 4, 1) if prompt is None else max(len(prompt.text) // 4, 1)
         max_tokens = 1 if prompt is None else prompt.max_tokens
         await self.auth.check_rate(key, n_in + (max_tokens or 256))
+        call = None
+        if res.workflow is not None:  # its stage's share of the workflow deadline
+            call = self.workflows.issue(res.workflow, res.stage, n_in, res.label, res.final, now)
+            res.slo = SLO.compound(max(call.deadline_at - now, 0.05))
         req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
                           max_tokens=max_tokens, workflow=res.workflow, stage=res.stage, preemptible=False)
         if prompt is None:
@@ -308,7 +313,7 @@ class Gateway:
                 req.session = zlib.crc32(sess.encode()) or 1
         stream = bool(body.get("stream"))
         ex = Exchange(kind, adm, req, res, (model, res.tier.name, res.slo.kind.value), stream, body_size > JSON_IN_THREAD,
-                      text=[] if resumable(kind, res.body, stream) else None)
+                      text=[] if resumable(kind, res.body, stream) else None, call=call)
         overhead = time.perf_counter() - t_recv
         dc = Disconnect(request)
         try:

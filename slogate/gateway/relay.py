@@ -125,13 +125,17 @@ class Relay:
         if input_tokens:  # the engine's exact count replaces our estimate (after release: the view used the estimate)
             req.input_tokens = input_tokens
             gp = call_goodput(led)
+        if ex.call is not None:
+            ex.call.ended(led.tokens, time.monotonic())
         m.requests.labels(*labels, outcome).inc()
         m.tokens.labels(*labels, "input").inc(req.input_tokens)
         m.tokens.labels(*labels, "output").inc(led.tokens)
         if outcome != "completed":
             return
         m.token_goodput.labels(*labels).inc(gp)
-        attained = led.attained() if req.kind is not SLOClass.COMPOUND else (led.last_at is not None and led.last_at <= req.deadline_at)
+        # A workflow's call is judged by the workflow deadline (its stage sub-deadline only orders work).
+        dl = req.workflow.deadline_at if req.workflow is not None else req.deadline_at
+        attained = led.attained() if req.kind is not SLOClass.COMPOUND else (led.last_at is not None and led.last_at <= dl)
         m.request_goodput.labels(*labels).inc(int(attained))
         m.tdg.labels(*labels).inc(led.tdg_value() if req.kind is not SLOClass.COMPOUND else (led.tdg_ideal() if attained else 0.0))
         m.tdg_ideal.labels(*labels).inc(led.tdg_ideal())

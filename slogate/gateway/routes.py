@@ -48,7 +48,17 @@ def ops_routes(r: FastAPI, gw: Gateway) -> None:
                               "inflight_here": b.view.local_inflight,
                               "inflight_remote": b.view.inflight - b.view.local_inflight,
                               "models": sorted(b.models), "beta": round(b.view.model.beta, 3)} for b in gw.backends],
-                "queues": {m: len(a.waiting) for m, a in gw.groups.items()}}
+                "queues": {m: len(a.waiting) for m, a in gw.groups.items()},
+                "workflow_patterns": gw.workflows.patterns, "workflows_learned": gw.workflows.learned}
+
+    @r.get("/admin/workflows/{wf_id:path}")
+    async def admin_workflow(wf_id: str, request: Request) -> dict[str, Any]:
+        """One agent workflow: its deadline, each stage's share of it, its calls so far."""
+        gw.auth.require_admin(request.headers)
+        d = gw.workflows.describe(wf_id)
+        if d is None:
+            raise APIError(404, f"no workflow {wf_id!r} (never seen, or forgotten an hour after its deadline)")
+        return d
 
     @r.post("/admin/backends/{name:path}/drain")
     async def admin_drain(name: str, request: Request) -> dict[str, Any]:

@@ -51,12 +51,14 @@ class SLOBody(_Closed):
 class WorkflowBody(_Closed):
     id: Annotated[str, Field(min_length=1, max_length=256)]
     stage: Annotated[int, Field(ge=0, le=100_000)] = 0
+    deadline_ms: Ms | None = None
+    label: Annotated[str, Field(max_length=256)] | None = None
+    final: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _ints(cls, v: Any) -> Any:
         return {**v, "stage": _integral(v["stage"])} if isinstance(v, dict) and "stage" in v else v
-    deadline_ms: Ms | None = None
 
 
 class StreamOptions(_Open):
@@ -240,5 +242,8 @@ def openapi(app: Any) -> dict[str, Any]:
                         ("/admin/reload", ("400", "401", "403", "409"))):
         for code in codes:
             schema["paths"][path]["post"]["responses"][code] = {"description": admin[code], "content": {"application/json": {"schema": _ERR}}}
+    for code in ("401", "403", "404"):
+        schema["paths"]["/admin/workflows/{wf_id}"]["get"]["responses"][code] = {
+            "description": "no such workflow" if code == "404" else admin[code], "content": {"application/json": {"schema": _ERR}}}
     schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     return schema

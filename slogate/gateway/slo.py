@@ -19,6 +19,7 @@ from typing import Any
 
 from slogate.gateway.config import GatewayConfig, KeyConfig, SLOSpec
 from slogate.gateway.errors import APIError
+from slogate.gateway.workflows import WorkflowBook
 from slogate.router.request import SLO, Tier, Workflow
 
 OUR_FIELDS = ("slo", "deadline", "target_ttft", "target_tft", "target_tbt", "waiting_time", "workflow", "tier")
@@ -45,6 +46,8 @@ BODY_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("workflow.id", "string", "agent workflow id: the calls sharing it share one deadline (compound class)"),
     ("workflow.stage", "int", "this call's stage in the workflow (0-based)"),
     ("workflow.deadline_ms", "ms", "the workflow's deadline, from its first call"),
+    ("workflow.label", "string", "what the call is (phase / tool / kind), matched against finished workflows' stages"),
+    ("workflow.final", "bool", "the workflow's last call: when it ends, the workflow is learned from"),
     ("service_tier", "string", "OpenAI's field, mapped to a tier by `service_tiers` (lower precedence than headers); passed upstream unchanged"),
 )
 HEADERS: tuple[tuple[str, str, str], ...] = (
@@ -57,6 +60,8 @@ HEADERS: tuple[tuple[str, str, str], ...] = (
     ("x-slogate-workflow-id", "string", "agent workflow id"),
     ("x-slogate-workflow-stage", "int", "stage in the workflow"),
     ("x-slogate-workflow-deadline-ms", "ms", "the workflow's deadline"),
+    ("x-slogate-workflow-label", "string", "what the call is (phase / tool / kind)"),
+    ("x-slogate-workflow-final", "bool", "the workflow's last call (`true` / `1`)"),
     ("x-llm-d-slo-ttft-ms", "ms", "llm-d's TTFT header"),
     ("x-llm-d-slo-tpot-ms", "ms", "llm-d's time per output token, taken as TBT"),
 )
@@ -71,6 +76,8 @@ class Resolved:
     vllm_priority: int | None = None
     workflow: Workflow | None = None
     stage: int = 0
+    label: str = ""  # the call's workflow label (phase / tool / kind), else the model
+    final: bool = False  # the workflow's last call
     sources: dict[str, str] = field(default_factory=dict)  # field → where it came from (debugging, tests)
 
 
@@ -86,28 +93,7 @@ def _ms(v: Any, param: str, scale: float = 1.0) -> float:
     return x
 
 
-class WorkflowRegistry:
-    """Workflow deadlines shared by the calls of one agent workflow (by id), expiring after
-    they are past and idle."""
-
-    def __init__(self, ttl_s: float = 3600.0) -> None:
-        self._wf: dict[str, Workflow] = {}
-        self.ttl_s = ttl_s
-
-    def get(self, wf_id: str, now: float, deadline_ms: float) -> Workflow:
-        wf = self._wf.get(wf_id)
-        if wf is None:
-            if len(self._wf) > 10_000:
-                self.expire(now)
-            wf = self._wf[wf_id] = Workflow(wf_id, now, now + deadline_ms / 1000)
-        return wf
-
-    def expire(self, now: float) -> None:
-        for k in [k for k, w in self._wf.items() if w.deadline_at + self.ttl_s < now]:
-            del self._wf[k]
-
-
-def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig, workflows: WorkflowRegistry,
+def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig, workflows: WorkflowBook,
             now: float | None = None, api_key: KeyConfig | None = None) -> Resolved:
     """`api_key`: the caller's key, whose tier is authoritative, whose SLO defaults sit above the
     tier's, and whose SLO floor clamps what the request may ask for."""
@@ -202,7 +188,7 @@ def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig
 
     # -- workflow
     wf_obj = body.get("workflow")
-    wf_id, stage, wf_deadline = None, 0, cfg.slo.workflow_deadline_ms
+    wf_id, stage, wf_deadline, label, final = None, 0, cfg.slo.workflow_deadline_ms, model, False
     if wf_obj is not None:
         if not isinstance(wf_obj, dict) or not isinstance(wf_obj.get("id"), str) or not wf_obj["id"]:
             raise APIError(400, "workflow must be an object with a string id", param="workflow")
@@ -212,6 +198,13 @@ def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig
             raise APIError(400, "workflow.stage must be a non-negative integer", param="workflow.stage")
         if wf_obj.get("deadline_ms") is not None:
             wf_deadline = _ms(wf_obj["deadline_ms"], "workflow.deadline_ms")
+        if wf_obj.get("label") is not None:
+            if not isinstance(wf_obj["label"], str):
+                raise APIError(400, "workflow.label must be a string", param="workflow.label")
+            label = wf_obj["label"]
+        final = wf_obj.get("final", False)
+        if not isinstance(final, bool):
+            raise APIError(400, "workflow.final must be a boolean", param="workflow.final")
     elif h.get("x-slogate-workflow-id"):
         wf_id = h["x-slogate-workflow-id"]
         try:
@@ -220,11 +213,17 @@ def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig
             raise APIError(400, "x-slogate-workflow-stage must be an integer", param="x-slogate-workflow-stage") from None
         if h.get("x-slogate-workflow-deadline-ms"):
             wf_deadline = _ms(h["x-slogate-workflow-deadline-ms"], "x-slogate-workflow-deadline-ms")
+        label = h.get("x-slogate-workflow-label") or label
+        final = h.get("x-slogate-workflow-final", "").lower() in ("1", "true", "yes")
 
     workflow = None
     if wf_id is not None:
         workflow = workflows.get(wf_id, now, wf_deadline)
         slo = SLO.compound(max(workflow.deadline_at - now, 0.05))
+        if sources.get("waiting_ms") not in ("header", "body"):
+            # A refused call fails the whole workflow: it waits as long as the workflow can still
+            # make its deadline (GMAX sheds it once it cannot), not the default few seconds.
+            waiting_s = max(workflow.deadline_at - now, 0.05)
     elif kind == "latency":
         slo = SLO.latency(spec["ttft_ms"] / 1000, spec["tbt_ms"] / 1000, waiting_s)
     elif kind == "deadline":
@@ -236,4 +235,4 @@ def resolve(body: dict[str, Any], headers: Mapping[str, str], cfg: GatewayConfig
     clean = {k: v for k, v in body.items() if k not in OUR_FIELDS}
     if isinstance(prio, str):
         clean.pop("priority", None)
-    return Resolved(slo, Tier(tier_name, tier_cfg.weight), waiting_s, clean, vllm_priority, workflow, stage, sources)
+    return Resolved(slo, Tier(tier_name, tier_cfg.weight), waiting_s, clean, vllm_priority, workflow, stage, label, final, sources)

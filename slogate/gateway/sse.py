@@ -25,6 +25,7 @@ class EventInfo:
     error: bool = False
     text: str = ""  # the answer text this event adds (content delta, completion text)
     opaque: bool = False  # it adds something a continuation cannot carry on (reasoning, tool calls)
+    finished: bool = False  # a choice's finish_reason: the answer is whole (nothing left to resume)
 
 
 # A chunk's `"usage": {...}` member (one level of nesting: prompt_tokens_details), to strip the
@@ -94,6 +95,8 @@ def _inspect_obj(d: dict[str, Any], info: EventInfo) -> None:
         for c in choices:
             if not isinstance(c, dict):
                 continue
+            if c.get("finish_reason"):
+                info.finished = True
             delta = c.get("delta")
             if isinstance(delta, dict):
                 content = delta.get("content")

@@ -260,6 +260,8 @@ class Upstream:
                             # Everything the engine runs shares the step: streams yet to see a first
                             # token and non-streamed answers too, not just the decoding streams.
                             learner.observe(view.inflight + int(b.external + 0.5), gap)
+                if info.finished and t.preempt is not None:
+                    t.preempt, t.req.preemptible = None, False  # a whole answer: a resume would add to it
                 yield ev, info, now
             if not chunk:
                 return

@@ -124,8 +124,27 @@ def make_placement(name: str, seed: int = 0, **params: Any) -> PlacementPolicy:
 
 
 def parse_combo(combo: str) -> tuple[str, str]:
-    """'gmax+gorouting' -> ('gmax', 'gorouting'), validating both names."""
+    """'gmax+gorouting' -> ('gmax', 'gorouting'), validating both names (and the ordering's
+    parameters, if any: see `ordering_params`)."""
     if combo.count("+") != 1:
         raise ValueError(f"policy combination must be ORDERING+PLACEMENT, got {combo!r}")
     o, p = combo.split("+")
-    return check_policy("ordering", o), check_policy("placement", p)
+    o, params = ordering_params(o)
+    name = check_policy("ordering", o)
+    ORDERING.check_params(ORDERING.key(name), params)
+    return name, check_policy("placement", p)
+
+
+def ordering_params(spec: str) -> tuple[str, dict[str, Any]]:
+    """'gmax?lead_factor=0&preempt=false' -> ('gmax', {'lead_factor': 0, 'preempt': False}): an
+    ordering's parameters inside a combination (the simulator's `--policies`), values as YAML."""
+    import yaml
+
+    name, _, query = spec.partition("?")
+    params: dict[str, Any] = {}
+    for kv in filter(None, query.split("&")):
+        k, eq, v = kv.partition("=")
+        if not eq:
+            raise ValueError(f"ordering parameter {kv!r}: expected NAME=VALUE")
+        params[k] = yaml.safe_load(v)
+    return name, params

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from slogate.router.placement.base import PlacementPolicy
 from slogate.router.policies.base import OrderingPolicy
-from slogate.router.registry import make_ordering, make_placement, parse_combo
+from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
 from slogate.router.request import Request
 from slogate.router.view import ReplicaView
 
@@ -30,7 +30,7 @@ class Scheduler:
     @classmethod
     def from_combo(cls, combo: str, seed: int = 0) -> Scheduler:
         o, p = parse_combo(combo)
-        return cls(make_ordering(o, seed=seed), make_placement(p, seed=seed))
+        return cls(make_ordering(o, seed=seed, **ordering_params(combo.split("+")[0])[1]), make_placement(p, seed=seed))
 
     @property
     def name(self) -> str:
@@ -39,7 +39,10 @@ class Scheduler:
     def schedule(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> Decisions:
         slots = sum(p.free for p in replicas if p.role != "decode")
         sel = self.ordering.select(now, waiting, slots, replicas)
-        out = Decisions(shed=sel.shed, preempt=sel.preempt)
+        # A request that has streamed tokens (preempted, or resumed after its replica failed) is
+        # being read by its client: finished late, never cut. It gets what room is left below.
+        late = [r for r, _ in sel.shed if r.generated]
+        out = Decisions(shed=[(r, why) for r, why in sel.shed if not r.generated], preempt=sel.preempt)
         taken: set[int] = set()  # dispatched, or chosen and left waiting by the placement (e.g. for the replica holding its prefix)
         for _ in range(3):
             declined = False
@@ -60,4 +63,11 @@ class Scheduler:
             if not rest:
                 break
             sel = self.ordering.select(now, rest, slots, replicas)
+            late += [r for r, _ in sel.shed if r.generated and r not in late]
+        for req in late:
+            target = self.placement.place(now, req, replicas)
+            if target is None:
+                break
+            target.claim(req, now)
+            out.dispatch.append((req, target.rid))
         return out

@@ -92,8 +92,8 @@ class ClusterSim:
         self.sched = scheduler
         self.est = estimator
         self.frame_s = frame_s
-        if stage_estimate not in ("uniform", "pattern", "oracle"):
-            raise ValueError(f"unknown stage estimate {stage_estimate!r}; known: uniform, pattern, oracle")
+        if stage_estimate not in ("whole", "uniform", "pattern", "oracle"):
+            raise ValueError(f"unknown stage estimate {stage_estimate!r}; known: whole, uniform, pattern, oracle")
         self.stage_estimate = stage_estimate
         self.patterns: PatternStore | None = None
         self._stages: dict[str, list[StageNode]] = {}
@@ -208,8 +208,8 @@ class ClusterSim:
         wf = Workflow(f"{spec.workflow_id}#{next(self._seq)}", self.now, self.now + job.wf_deadline_s)
         if self.stage_estimate == "oracle":
             phi = spec.stage_shares()
-        elif self.stage_estimate == "pattern":
-            phi = {}  # matched stage by stage as the workflow reveals itself (_stage_phi)
+        elif self.stage_estimate in ("pattern", "whole"):
+            phi = {}  # pattern: matched stage by stage as the workflow reveals itself (_stage_phi); whole: every call gets the workflow deadline
         else:  # uniform split over the typical number of stages seen in history
             phi = self._uniform_phi(spec)
         run = _WfRun(spec, wf, WorkflowLedger(wf, job.tier.weight), job.tier, phi)

@@ -37,7 +37,7 @@ class SimConfig:
     frame_s: float = 0.3
     predictor_model: str | None = None  # for predictor "qrf": a `slogate train-predictor` file
     prompts: str | None = None  # for "qrf": comma-separated prompts_*.jsonl to pair requests with
-    stage_estimate: str | None = None  # uniform | pattern | oracle; default: oracle with the oracle predictor, else pattern
+    stage_estimate: str | None = None  # whole | uniform | pattern | oracle; default: oracle with the oracle predictor, else pattern
     tokens_per_id: int = 512  # prefix traces: prompt tokens per block hash id
     prefix_index: bool = True  # the gateway's prefix index (prefix traces)
     kv_capacity_tokens: int = 400_000  # each engine's KV cache (and so its prefix cache)
@@ -92,9 +92,11 @@ class Experiment:
 
     def run(self, combo: str) -> dict[str, Any]:
         """`combo` is ORDERING+PLACEMENT, optionally with `@BUDGET` (e.g. `fcfs+cache-aware@256`: a
-        peer router that forwards everything, so only the engines queue) and `-noindex` on the
-        placement (the gateway without its prefix index)."""
+        peer router that forwards everything, so only the engines queue), `-noindex` on the
+        placement (the gateway without its prefix index) and the ordering's parameters
+        (`gmax?lead_factor=0+gorouting`)."""
         c = self.cfg
+        asked = combo
         combo, _, b = combo.partition("@")
         index = c.prefix_index and not combo.endswith("-noindex")
         combo = combo.removesuffix("-noindex")
@@ -108,6 +110,8 @@ class Experiment:
         row = result_row(sim.run())
         if b or not index:
             row["name"] = f"{row['name']}{'-noindex' if not index else ''}{'@' + b if b else ''}"
+        if "?" in asked:  # ordering parameters: the name says which
+            row["name"] = asked
         row["requests"] = wl.n_requests
         key = (c.rate_scale, c.slo_scale, c.duration_s, c.max_requests)  # the workload's, not the policy's
         if key not in self._bound:

@@ -12,7 +12,11 @@ sort them by input length and take the window of B with the largest total priori
 cutoff p is picked per frame Δ by an ε-greedy bandit over a few values, rewarded by the
 goodput realised in that frame. At frame boundaries, a running request is preempted (and
 requeued, its tokens kept) only when a waiting one's priority exceeds it by the threshold
-and the goodput gained exceeds the goodput lost to the recompute stall.
+and the goodput gained exceeds the goodput lost to the recompute stall. A latency stream is a
+candidate only while it is ahead of its token timeline by `lead_factor` × the expected gap
+and a waiting request must start within `urgency_s`; then it loses nothing by the pause and
+yields before any other. Off by default (`lead_factor` 0): in simulation the recompute cost
+more than the pauses gained (docs/benchmarks.md, "Slack-aware preemption").
 Requests whose SLO can no longer earn anything are shed (the gateway answers 429).
 """
 
@@ -46,8 +50,10 @@ class GMAX(OrderingPolicy):
         preempt: bool = True,
         preempt_threshold: float = 0.1,
         max_preempt_per_frame: int = 2,
+        max_preemptions: int = 2,
         jit: bool = False,
         urgency_s: float = 2.0,
+        lead_factor: float = 0.0,
         seed: int = 0,
     ) -> None:
         self.frame_s = frame_s
@@ -58,8 +64,10 @@ class GMAX(OrderingPolicy):
         self.preempt = preempt
         self.preempt_threshold = preempt_threshold
         self.max_preempt_per_frame = max_preempt_per_frame
+        self.max_preemptions = max_preemptions  # per request: a stream is never bounced around for ever
         self.jit = jit
         self.urgency_s = urgency_s
+        self.lead_factor = lead_factor
         self.rng = random.Random(seed)
         self.arm_value = [0.0] * len(self.cutoffs)
         self.arm_pulls = [0] * len(self.cutoffs)
@@ -162,9 +170,11 @@ class GMAX(OrderingPolicy):
             fair = 1.0 - share / top if top > 0 else np.ones(n)
             pmax = priority.max()
             priority = (1 - self.fairness) * (priority / pmax if pmax > 0 else priority) + self.fairness * fair
-        slack = np.where(is_lat, arrival + ttft - now - pf, np.where(fits, dl - now - t_gen, -np.inf))
+        slack = np.where(is_lat, arrival + ttft + gen * tbt - now - pf, np.where(fits, dl - now - t_gen, -np.inf))
         # Never urgent: requests with nothing to protect, and (unless `jit`) all but best effort.
-        slack = np.where((goodput > 0) & (is_be | self.jit), slack, np.inf)
+        # A paused stream (preempted, its reader living on its lead) is urgent too: it must be
+        # back before its next token is due.
+        slack = np.where((goodput > 0) & (is_be | self.jit | (is_lat & (gen > 0))), slack, np.inf)
         return priority, goodput, t_gen, expired, slack
 
     # -- decision ---------------------------------------------------------------------------
@@ -175,7 +185,7 @@ class GMAX(OrderingPolicy):
             return sel
         waiting = list(waiting)
         feats = self.features(waiting)
-        prio, good, _t_gen, expired, slack = self.estimate(now, waiting, replicas, feats=feats)
+        prio, good, t_gen, expired, slack = self.estimate(now, waiting, replicas, feats=feats)
         st, dyn = feats
         too_long = now - dyn[:, 0] > st[:, 7]  # waited past its waiting_s (inf when unset) …
         for i in np.flatnonzero(too_long):
@@ -204,7 +214,7 @@ class GMAX(OrderingPolicy):
         if self.preempt and frame_edge and alive.size:
             by_prio = alive[np.argsort(-prio[alive])]
             rest = list(by_prio[~np.isin(by_prio, chosen)])
-            sel.preempt = self._preemptions(now, rest, prio, good, waiting, replicas)
+            sel.preempt = self._preemptions(now, rest, prio, good, t_gen, waiting, replicas)
         return sel
 
     def _group(self, alive: np.ndarray, prio: np.ndarray, waiting: list[Request], B: int) -> list[int]:
@@ -226,7 +236,8 @@ class GMAX(OrderingPolicy):
         return list(group[np.argsort(-prio[group])])
 
     def _preemptions(
-        self, now: float, rest: list[int], prio: np.ndarray, good: np.ndarray, waiting: list[Request], replicas: Sequence[ReplicaView]
+        self, now: float, rest: list[int], prio: np.ndarray, good: np.ndarray, t_gen: np.ndarray, waiting: list[Request],
+        replicas: Sequence[ReplicaView]
     ) -> list[Request]:
         """Cost-aware preemption: swap a running request for a waiting one only when worth it."""
         out: list[Request] = []
@@ -237,16 +248,43 @@ class GMAX(OrderingPolicy):
                 break
             if p.free > 0:
                 continue
-            # A latency stream is being read by a person: pausing it is a visible stall, so
-            # only requests that are not paced to a reader can be preempted.
-            running = [r for r in p.decoding.values() if r.slo.kind is not SLOClass.LATENCY and r.preemptible]
+            # A latency stream is being read by a person: pausing it is a visible stall unless
+            # it is ahead of its timeline (next token due at arrival + TTFT + i·TBT) by
+            # `lead_factor` × the gap (recompute + a frame to be placed again). Such a stream
+            # loses nothing by yielding, so it yields first: slack-aware preemption.
+            running, lead = [], []
+            for r in p.decoding.values():
+                if not r.preemptible or r.preemptions >= self.max_preemptions:
+                    continue
+                if r.slo.kind is not SLOClass.LATENCY:
+                    running.append(r)
+                    lead.append(False)
+                elif self.lead_factor > 0:
+                    gap = p.model.prefill_time(r.context_tokens) + p.model.t_c + self.frame_s
+                    if r.token_deadline(r.generated) - now >= self.lead_factor * gap:
+                        running.append(r)
+                        lead.append(True)
             if not running:
                 continue
             # Conservative bounds decide admission; killing work needs the victim to look
             # hopeless even at its expected length, or bound slack would preempt good work.
             r_prio, r_good, _, _, _ = self.estimate(now, running, [p], expected=True)
-            j = int(np.argmin(r_prio))
+            ahead = np.array(lead)
             w = rest[0]
+            # Pausing a stream that is ahead pays only when the waiting one cannot wait for a
+            # slot to free on its own: it must start within `urgency_s` to keep its SLO.
+            wr = waiting[w]
+            must_start = wr.ttft_deadline if wr.slo.kind is SLOClass.LATENCY else wr.deadline_at - t_gen[w]
+            if 0 < must_start - now <= self.urgency_s:
+                r_prio = np.where(ahead, 0.0, r_prio)  # its goodput survives the pause: nothing is lost but the recompute
+                r_good = np.where(ahead, 0.0, r_good)
+            elif ahead.all():
+                continue
+            else:
+                keep = ~ahead
+                running = [r for r, k in zip(running, keep, strict=True) if k]
+                r_prio, r_good = r_prio[keep], r_good[keep]
+            j = int(np.argmin(r_prio))
             if prio[w] <= r_prio[j] * (1 + self.preempt_threshold):
                 continue
             victim = running[j]
