@@ -32,7 +32,7 @@ def expected(n: int = N_TOKENS) -> str:
 
 def diverges(got: str, want: str) -> str:
     """Where an answer first differs from the expected one, with a little context."""
-    k = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    k = next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     return f"len {len(got)} vs {len(want)}; at {k}: got {got[max(0, k - 30):k + 50]!r}"
 
 
