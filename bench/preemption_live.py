@@ -10,6 +10,12 @@ deadline, a best-effort one when it completed. Token goodput = output tokens of 
 met their SLO per second of the window.
 
     python bench/preemption_live.py --scales 0.5,1,1.5 --repeats 3 --out bench/results/preemption_live.json
+
+`--simulate` runs the same arrivals through the discrete-event simulator instead (the
+simulator's prediction of the gain): fixed-latency engines as the simulated ones (a step costs
+`--itl-ms` whatever the batch, a prefill one step), the same budget, GMAX + GoRouting with and
+without its preempt list, the oracle length bound (live, `max_tokens` caps the bound at the
+same length: every answer runs to it with `ignore_eos`).
 """
 
 from __future__ import annotations
@@ -74,6 +80,50 @@ async def replay(url: str, arr: list[tuple[float, str]], a: argparse.Namespace) 
         return await asyncio.gather(*(one(at, k) for at, k in arr))
 
 
+def gmax_params(a: argparse.Namespace) -> dict:
+    """The preempting system's GMAX parameters (`--preempt-params`, `--lead-factor`)."""
+    return {"lead_factor": a.lead_factor, **json.loads(a.preempt_params)}
+
+
+def simulate(scale: float, rep: int, a: argparse.Namespace) -> list[dict]:
+    """The simulator's rows for one repeat's arrivals: GMAX with and without preemption."""
+    from slogate.predictors.length import OracleLength
+    from slogate.router.latency import LatencyCoeffs
+    from slogate.router.registry import make_ordering, make_placement
+    from slogate.router.request import SLO, Tier
+    from slogate.router.scheduler import Scheduler
+    from slogate.sim.cluster import ClusterSim, EngineConfig
+    from slogate.sim.report import result_row
+    from slogate.sim.workload import Job, Workload
+
+    jobs = []
+    for at, kind in arrivals(scale, a, rep):
+        n = a.be_tokens if kind == "best_effort" else a.dl_tokens
+        if kind == "deadline":
+            slo = SLO.deadline(a.dl_deadline_s, waiting_s=a.dl_deadline_s)
+        elif a.be_tbt_ms:
+            slo = SLO.latency(2.0, a.be_tbt_ms / 1000)
+        elif a.be_deadline_s:
+            slo = SLO.deadline(a.be_deadline_s, waiting_s=a.be_deadline_s)
+        else:
+            slo = SLO.best_effort(600.0)
+        jobs.append(Job(at, slo.kind, Tier(), slo=slo,
+                        input_tokens=12, output_tokens=n))
+    # A fixed-latency engine: every step one ITL, whatever it holds (prefill included).
+    coeffs = LatencyCoeffs(a_p=0.0, b_p=0.0, c_p=1e-6, a_d=0.0, b_d=0.0, t_c=a.itl_ms / 1000)
+    rows = []
+    for system, preempt in (("preempt", True), ("no-preempt", False)):
+        wl = Workload(jobs=list(jobs), span_s=a.duration, output_lengths=[j.output_tokens for j in jobs])
+        params = {**gmax_params(a), **({} if preempt else {"preempt": False})}
+        sched = Scheduler(make_ordering("gmax", seed=rep, **params), make_placement("gorouting", seed=rep))
+        res = result_row(ClusterSim(wl, sched, OracleLength(), EngineConfig(coeffs, budget=a.budget), n_replicas=a.engines).run())
+        att = res["slo_attainment"]
+        rows.append({"scale": scale, "repeat": rep, "system": system, "source": "simulator", "sent": len(jobs),
+                     "goodput": round(res["token_goodput"], 1), "attainment": round(att["all"] or 0, 3),
+                     "deadline_attainment": round(att.get("deadline") or 0, 3), "preemptions": res["preempted"]})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scales", default="0.5,1,1.5")
@@ -91,7 +141,18 @@ def main() -> None:
     ap.add_argument("--dl-tokens", type=int, default=300)
     ap.add_argument("--dl-deadline-s", type=float, default=9.0)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--preempt-params", default="{}", help="GMAX parameters of the preempting system, as JSON (e.g. "
+                    "'{\"yield_slack\": true, \"max_preemptions\": 4}'); the other runs the same with preempt: false")
+    ap.add_argument("--simulate", action="store_true", help="the simulator's prediction on the same arrivals, not the live gateway")
     a = ap.parse_args()
+    if a.simulate:
+        rows = [r for scale in [float(x) for x in a.scales.split(",")] for rep in range(a.repeats) for r in simulate(scale, rep, a)]
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        if a.out:
+            a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+        table(rows)
+        return
     procs, urls = [], []
     for _ in range(a.engines):
         p = free_port()
@@ -102,9 +163,9 @@ def main() -> None:
         wait_http(f"{u}/v1/models")
     tmp = Path(tempfile.mkdtemp())
     off = tmp / "no-preempt.yaml"
-    off.write_text(yaml.safe_dump({"policies": {"params": {"preempt": False}}}))
+    off.write_text(yaml.safe_dump({"policies": {"params": {**gmax_params(a), "preempt": False}}}))
     on = tmp / "preempt.yaml"
-    on.write_text(yaml.safe_dump({"policies": {"params": {"lead_factor": a.lead_factor}}}))
+    on.write_text(yaml.safe_dump({"policies": {"params": gmax_params(a)}}))
     rows = []
     try:
         for scale in [float(x) for x in a.scales.split(",")]:
@@ -139,6 +200,10 @@ def main() -> None:
                         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
     finally:
         stop(procs)
+    table(rows)
+
+
+def table(rows: list[dict]) -> None:
     print("\n| scale | preempt: goodput (tok/s), deadline attainment, per repeat | no-preempt: the same | median ratio |")
     print("|---:|---|---|---:|")
     for scale in sorted({r["scale"] for r in rows}):

@@ -140,6 +140,32 @@ def test_gmax_preempts_a_latency_stream_only_while_it_is_ahead_of_its_timeline()
     assert GMAX(lead_factor=3).select(5.0, [patient], 0, [full(200)[0]]).preempt == []
 
 
+def test_gmax_yield_slack_pauses_best_effort_for_urgent_work_and_gives_it_the_slot():
+    """`yield_slack`: a best-effort answer that still ends by its deadline after the waiting
+    request's whole run yields its slot to a request that must start now, and that request gets
+    the freed slot first; off (the default), nothing is preempted."""
+
+    def full() -> tuple:
+        rep = view(budget=1)
+        be = req(9, arrival=0.0, inp=200, slo=SLO.best_effort(600.0), bound=1500)
+        rep.claim(be, 0.0)
+        rep.first_token(be, 0.2)
+        be.generated = 100
+        return rep, be
+
+    urgent = req(1, arrival=4.9, inp=200, slo=SLO.deadline(2.0), bound=50)
+    other = req(2, arrival=0.0, inp=200, slo=SLO.deadline(300.0), bound=50)  # waited longer, no hurry
+    g = GMAX(yield_slack=True)
+    rep, be = full()
+    assert g.select(5.0, [other, urgent], 0, [rep]).preempt == [be]
+    rep.release(be, 5.0)
+    assert g.select(5.1, [other, urgent, be], 1, [rep]).dispatch == [urgent]  # the slot it freed
+    assert GMAX().select(5.0, [other, urgent], 0, [full()[0]]).preempt == []
+    rep, _ = full()
+    rep.decoding[9].slo = SLO.best_effort(20.0)  # 1,400 tokens left: it would miss its own deadline after the pause
+    assert GMAX(yield_slack=True).select(5.0, [urgent], 0, [rep]).preempt == []
+
+
 def test_gmax_adapts_cutoff_toward_the_arm_with_more_goodput():
     g = GMAX(frame_s=1.0, explore=0.0)
     good_arm = g.cutoffs.index(0.7)

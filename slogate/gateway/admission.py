@@ -71,7 +71,7 @@ class AdmissionHooks:
 class Admission:
     def __init__(self, scheduler: Scheduler, views: list[ReplicaView], *, hooks: AdmissionHooks | None = None, max_queue: int = 2000,
                  frame_s: float = 0.3, predictor: OnlineLengthPredictor | None = None, refine_every: int = 50,
-                 clock: Callable[[], float] = time.monotonic, max_preemptions: int = 2) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_preemptions: int = 8) -> None:
         self.scheduler = scheduler
         self.views = views
         self.by_rid = {v.rid: v for v in views}
@@ -81,7 +81,7 @@ class Admission:
         self.predictor = predictor
         self.refine_every = refine_every
         self.clock = clock
-        self.max_preemptions = max_preemptions  # per request: a stream is never bounced around for ever
+        self.max_preemptions = max_preemptions  # per request, whatever a policy asks: a stream is never bounced around for ever
         self.waiting: dict[int, Ticket] = {}
         self.running: dict[int, Ticket] = {}
         self._ids = itertools.count(1)

@@ -16,7 +16,10 @@ and the goodput gained exceeds the goodput lost to the recompute stall. A latenc
 candidate only while it is ahead of its token timeline by `lead_factor` × the expected gap
 and a waiting request must start within `urgency_s`; then it loses nothing by the pause and
 yields before any other. Off by default (`lead_factor` 0): in simulation the recompute cost
-more than the pauses gained (docs/benchmarks.md, "Slack-aware preemption").
+more than the pauses gained (docs/benchmarks.md, "Slack-aware preemption"). `yield_slack` does
+the same for best-effort answers that still end by their deadline after the waiting request's
+whole run (off by default, for the same reason on trace mixes). Whoever a preemption freed a
+slot for gets that slot first.
 Requests whose SLO can no longer earn anything are shed (the gateway answers 429).
 """
 
@@ -54,6 +57,7 @@ class GMAX(OrderingPolicy):
         jit: bool = False,
         urgency_s: float = 2.0,
         lead_factor: float = 0.0,
+        yield_slack: bool = False,
         seed: int = 0,
     ) -> None:
         self.frame_s = frame_s
@@ -68,6 +72,8 @@ class GMAX(OrderingPolicy):
         self.jit = jit
         self.urgency_s = urgency_s
         self.lead_factor = lead_factor
+        self.yield_slack = yield_slack
+        self.owed: dict[int, float] = {}  # rid -> until when: waiting requests a preemption freed a slot for
         self.rng = random.Random(seed)
         self.arm_value = [0.0] * len(self.cutoffs)
         self.arm_pulls = [0] * len(self.cutoffs)
@@ -199,6 +205,10 @@ class GMAX(OrderingPolicy):
             # starves); `jit` makes every class eligible, which puts each 2 s-TTFT request
             # ahead of denser deadline work and cost 4–14% token goodput in simulation.
             urgent = alive[slack[alive] <= self.urgency_s]
+            if self.owed:
+                # A request something was preempted for takes the slot it freed first.
+                owed = alive[np.fromiter((waiting[i].rid in self.owed for i in alive), dtype=bool, count=alive.size)]
+                urgent = np.union1d(owed, urgent)
             first = self._group(urgent, prio, waiting, slots) if urgent.size else []
             picked = [waiting[i] for i in first]
             chosen = list(first)
@@ -209,8 +219,12 @@ class GMAX(OrderingPolicy):
                     chosen += second
                     picked += [waiting[i] for i in second]
             sel.dispatch = picked
+            for r in picked:
+                self.owed.pop(r.rid, None)
         else:
             chosen = []
+        if self.owed:
+            self.owed = {k: t for k, t in self.owed.items() if t > now}  # not placed in time: owed nothing more
         if self.preempt and frame_edge and alive.size:
             by_prio = alive[np.argsort(-prio[alive])]
             rest = list(by_prio[~np.isin(by_prio, chosen)])
@@ -270,12 +284,22 @@ class GMAX(OrderingPolicy):
             # hopeless even at its expected length, or bound slack would preempt good work.
             r_prio, r_good, _, _, _ = self.estimate(now, running, [p], expected=True)
             ahead = np.array(lead)
-            w = rest[0]
-            # Pausing a stream that is ahead pays only when the waiting one cannot wait for a
-            # slot to free on its own: it must start within `urgency_s` to keep its SLO.
-            wr = waiting[w]
-            must_start = wr.ttft_deadline if wr.slo.kind is SLOClass.LATENCY else wr.deadline_at - t_gen[w]
-            if 0 < must_start - now <= self.urgency_s:
+            # The waiting request it would yield to: the best one that must start soon to keep
+            # its SLO (it cannot wait for a slot to free on its own), else the best one.
+            w = next((i for i in rest if 0 < self._must_start(waiting[i], t_gen[i]) - now <= self.urgency_s), rest[0])
+            urgent = 0 < self._must_start(waiting[w], t_gen[w]) - now <= self.urgency_s
+            if urgent and self.yield_slack:
+                # Deadline and best-effort work with time to spare loses nothing by yielding for
+                # the waiting request's whole run (and its own recompute): it still ends by its
+                # deadline at its bound. JITServe's just-in-time idea: it needs less than a slot now.
+                _, _, r_tgen, _, _ = self.estimate(now, running, [p])
+                for k, r in enumerate(running):
+                    if r.slo.kind is SLOClass.BEST_EFFORT:
+                        stall = p.model.prefill_time(r.context_tokens) + p.model.t_c + self.frame_s
+                        ahead[k] = now + t_gen[w] + stall + r_tgen[k] <= r.deadline_at
+            # Pausing a stream that loses nothing by it pays only when the waiting one cannot
+            # wait for a slot to free on its own: it must start within `urgency_s` to keep its SLO.
+            if urgent:
                 r_prio = np.where(ahead, 0.0, r_prio)  # its goodput survives the pause: nothing is lost but the recompute
                 r_good = np.where(ahead, 0.0, r_good)
             elif ahead.all():
@@ -294,5 +318,11 @@ class GMAX(OrderingPolicy):
             loss = stall * speed
             if good[w] - r_good[j] > loss:
                 out.append(victim)
-                rest.pop(0)
+                rest.remove(w)
+                self.owed[waiting[w].rid] = now + 2 * self.frame_s
         return out
+
+    @staticmethod
+    def _must_start(r: Request, t_gen: float) -> float:
+        """When `r` must start to keep its SLO: its first token's due time, or its deadline less its run."""
+        return r.ttft_deadline if r.slo.kind is SLOClass.LATENCY else r.deadline_at - t_gen
