@@ -28,6 +28,7 @@ class StreamResult:
     first_token: float | None = None
     retry_after: str | None = None
     text: str = ""  # the answer's text, as received
+    usage_out: int | None = None  # completion_tokens of the usage chunk (asked with stream_options.include_usage)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class LoadReport:
 
 async def stream_once(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> StreamResult:
     t0 = time.monotonic()
-    tokens, finish, done, first, text = 0, False, False, None, []
+    tokens, finish, done, first, text, usage = 0, False, False, None, [], None
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             if r.status != 200:
@@ -68,7 +69,9 @@ async def stream_once(session: aiohttp.ClientSession, url: str, body: dict[str, 
                         text.append(content)
                         first = first or time.monotonic()
                     finish = finish or ch.get("finish_reason") is not None
-            return StreamResult(t0, time.monotonic(), 200, tokens, finish and done, "", first, text="".join(text))
+                if isinstance(ev.get("usage"), dict):
+                    usage = ev["usage"].get("completion_tokens", usage)
+            return StreamResult(t0, time.monotonic(), 200, tokens, finish and done, "", first, text="".join(text), usage_out=usage)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         return StreamResult(t0, time.monotonic(), -1, tokens, False, f"{type(e).__name__}: {e}"[:200], first)
 
