@@ -3,15 +3,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import orjson
 import pytest
 from helpers import view
 
 from slogate.gateway.admission import Admission, Ticket
 from slogate.gateway.config import GatewayConfig, WorkflowsConfig
 from slogate.gateway.errors import APIError
+from slogate.gateway.exchange import Exchange
 from slogate.gateway.pacing import Pacer, paced
+from slogate.gateway.resume import by_ids, continued, ids_body
 from slogate.gateway.slo import resolve
-from slogate.gateway.sse import inspect
+from slogate.gateway.sse import hide_ids, inspect
 from slogate.gateway.workflows import WorkflowBook
 from slogate.router.registry import make_ordering, make_placement
 from slogate.router.request import SLO, Request, SLOClass
@@ -188,3 +191,36 @@ def test_a_stream_with_its_whole_answer_out_is_never_preempted() -> None:
         return stopped
 
     assert asyncio.run(go()) == [1]
+
+
+def test_a_continuation_from_token_ids_is_the_engines_own_sequence() -> None:
+    """gateway/resume.py: a cut chat answer goes on as a completion of prompt ids + answer ids,
+    and its chunks reach the client as chat chunks of the first attempt's stream."""
+    first = (b'data: {"id":"chatcmpl-a","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,'
+             b'"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"prompt_token_ids":[1,2,3]}\n\n')
+    info = inspect(first)
+    assert info.prompt_ids == [1, 2, 3] and info.head == ("chatcmpl-a", 7)
+    tok = b'data: {"id":"chatcmpl-a","choices":[{"index":0,"delta":{"content":"ab"},"finish_reason":null,"token_ids":[5,6]}]}\n\n'
+    assert inspect(tok).ids == [5, 6]
+    assert hide_ids(tok) == tok.replace(b"[5,6]", b"null") and hide_ids(first).endswith(b'"prompt_token_ids":null}\n\n')
+    ex = Exchange("chat", None, None, None, ("m", "t", "c"), True, False)  # type: ignore[arg-type]
+    ex.ids, ex.prompt_ids, ex.head = [5, 6], [1, 2, 3], ("chatcmpl-a", 7)
+    assert by_ids(ex, 2) and not by_ids(ex, 3)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [], "max_completion_tokens": 10, "temperature": 0,
+            "min_tokens": 4, "stream": True, "return_token_ids": True}
+    c = ids_body(body, ex, None)
+    assert c == {"model": "m", "prompt": [1, 2, 3, 5, 6], "max_tokens": 8, "min_tokens": 2, "temperature": 0, "stream": True,
+                 "return_token_ids": True}
+    del body["max_completion_tokens"]
+    assert ids_body(body, ex, None) is None  # a completion's default is 16 tokens: unknown length left, no continuation
+    assert ids_body(body, ex, 100)["max_tokens"] == 95  # type: ignore[index]
+    cont = (b'data: {"id":"cmpl-b","object":"text_completion","created":9,"model":"m","choices":[{"index":0,"text":"cd",'
+            b'"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":[8]}],"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\n')
+    got = orjson.loads(continued(cont, ex)[6:])
+    assert got == {"id": "chatcmpl-a", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "delta": {"content": "cd"}, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                                "token_ids": [8]}],
+                   "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
+    assert continued(b"data: [DONE]\n\n", ex) == b"data: [DONE]\n\n"
+    ex.kind = "completions"  # a legacy completion keeps its shape, under the first attempt's id
+    assert orjson.loads(continued(cont, ex)[6:])["id"] == "chatcmpl-a"

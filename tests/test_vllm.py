@@ -6,8 +6,11 @@ otherwise. The model is built by ../shared/recipes/make_tiny_model.py into a tem
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -17,6 +20,7 @@ from vllm_engine import start_vllm
 
 from slogate.gateway.app import create_app
 from slogate.gateway.config import GatewayConfig
+from slogate.testing.prom import metric
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +85,70 @@ def test_priority_is_stripped_for_replicas_without_priority_scheduling(vllm: str
                                       extra_body={"ignore_eos": True, "priority": 7})
         assert r.usage.completion_tokens == 4
 
+
+
+def _answer(c: openai.OpenAI, i: int, n: int, chat: bool) -> tuple[str, Any, set[str], bool]:
+    """One greedy stream: its text, usage, chunk ids, and whether any chunk carried token ids."""
+    text, usage, ids, leaked = "", None, set(), False
+    common = {"model": "tiny", "max_tokens": n, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "slo": {"kind": "best_effort"}}}
+    if chat:
+        it = c.chat.completions.create(messages=[{"role": "user", "content": f"Question {i}: a long story about {i}."}], **common)
+    else:
+        it = c.completions.create(prompt=f"Once upon a time, number {i}", **common)
+    for ch in it:
+        ids.add(ch.id)
+        usage = ch.usage or usage
+        extra = ch.model_extra or {}
+        leaked |= bool(extra.get("prompt_token_ids"))
+        for choice in ch.choices:
+            leaked |= bool((choice.model_extra or {}).get("token_ids"))
+            text += (choice.delta.content or "") if chat else choice.text
+    return text, usage, ids, leaked
+
+
+def test_preempted_greedy_answers_equal_the_uninterrupted_ones_on_real_vllm(vllm: str) -> None:
+    """Issue 19: a preempted answer continues from the engine's own token ids (vLLM
+    `return_token_ids`, continued through /v1/completions), so a greedy answer is exactly what
+    one uninterrupted request gives, with usage that adds up and one chunk id per stream."""
+    n, k = 96, 6
+    direct = openai.OpenAI(base_url=f"{vllm}/v1", api_key="unused", max_retries=0, timeout=120)
+    want = [_answer(direct, i, n, chat=i % 3 != 2)[0] for i in range(k)]
+    cfg = GatewayConfig.model_validate({"backends": [{"url": vllm, "budget": 8}], "health_interval_s": 0.5,
+                                        "capacity": {"learn": False}, "policies": {"params": {"preempt": False}}})
+    app = create_app(cfg)
+    with ServerThread(app) as gw:
+        groups = app.state.gateway.groups
+        t0 = time.monotonic()
+        while "tiny" not in groups and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        adm = groups["tiny"]
+        adm.max_preemptions = 10**6
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out: dict[int, Any] = {}
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, _answer(c, i, n, chat=i % 3 != 2))) for i in range(k)]
+        for t in threads:
+            t.start()
+        rng = random.Random(3)
+        asked = 0
+
+        def preempt_some() -> None:
+            nonlocal asked
+            for t in list(adm.running.values()):
+                if t.preempt is not None and rng.random() < 0.5:
+                    asked += adm.preempt(t.req)
+
+        while any(t.is_alive() for t in threads):
+            assert gw.loop is not None
+            gw.loop.call_soon_threadsafe(preempt_some)
+            time.sleep(0.25)
+        preempted = metric(gw.url, "slogate_preemptions_total")
+    assert len(out) == k
+    assert asked >= k, f"only {asked} preemptions: the test did not exercise the resume"
+    for i in range(k):
+        text, usage, ids, leaked = out[i]
+        assert text == want[i], f"stream {i} differs from the uninterrupted answer"
+        assert usage is not None and usage.completion_tokens == n
+        assert len(ids) == 1, ids  # one stream to the client, continuation or not
+        assert not leaked  # the ids the gateway asked for are not the client's
+    assert preempted == asked

@@ -38,6 +38,14 @@ class Exchange:
     text: list[str] | None = None
     resumed: int = 0
     prompt_tokens: int | None = None
+    # On vLLM, the token ids too (`return_token_ids`): a continuation from the very tokens the
+    # engine had (prompt ids + answer ids, through /v1/completions) is exact where re-tokenized
+    # text may merge characters differently and change the answer.
+    ids: list[int] | None = None  # the answer's token ids so far (None: not tracked)
+    prompt_ids: list[int] | None = None  # the templated prompt's ids, from the first attempt
+    head: tuple[str, int] | None = None  # the first attempt's chunk id and `created`, kept on a continuation
+    hide_ids: bool = False  # the gateway asked for the ids, the client did not: they go out as null
+    upstream_kind: str | None = None  # the endpoint the open attempt uses, when not `kind` (chat continued as a completion)
     call: LiveCall | None = None  # its place in an agent workflow (stage, sub-deadline), told when it ends
 
 

@@ -43,6 +43,7 @@ class Backend:
     kv_usage: float | None = None
     headers: dict[str, str] = field(init=False)  # what every request to it carries (its API key)
     state: str = "active"  # active | draining (leaving once idle) | drained (held out by an operator)
+    max_len: int | None = None  # its context length (vLLM's /v1/models `max_model_len`); 0: not told
 
     def __post_init__(self) -> None:
         self.use(self.cfg)
@@ -232,9 +233,11 @@ class Fleet:
         try:
             async with self.client.get(f"{b.cfg.url}/v1/models", timeout=aiohttp.ClientTimeout(total=1.5), headers=b.headers) as r:
                 ok = r.status == 200
-                if ok and (discover or not b.models) and not b.cfg.models:
-                    data = (await r.json(content_type=None)).get("data", [])
-                    b.models = {m["id"] for m in data if isinstance(m, dict) and "id" in m}
+                if ok and (((discover or not b.models) and not b.cfg.models) or b.max_len is None):
+                    data = [m for m in (await r.json(content_type=None)).get("data", []) if isinstance(m, dict)]
+                    if not b.cfg.models:
+                        b.models = {m["id"] for m in data if "id" in m}
+                    b.max_len = max((m["max_model_len"] for m in data if isinstance(m.get("max_model_len"), int)), default=0)
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
             ok = False
         if ok != b.view.healthy:

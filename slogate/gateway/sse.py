@@ -26,11 +26,29 @@ class EventInfo:
     text: str = ""  # the answer text this event adds (content delta, completion text)
     opaque: bool = False  # it adds something a continuation cannot carry on (reasoning, tool calls)
     finished: bool = False  # a choice's finish_reason: the answer is whole (nothing left to resume)
+    ids: list[int] | None = None  # the answer's token ids it adds (vLLM `return_token_ids`)
+    prompt_ids: list[int] | None = None  # the prompt's token ids (the first chunk, with `return_token_ids`)
+    head: tuple[str, int] | None = None  # the chunk's id and `created`, where it carries prompt ids
 
 
 # A chunk's `"usage": {...}` member (one level of nesting: prompt_tokens_details), to strip the
 # per-chunk usage the gateway asked for when the client did not.
 USAGE_FIELD = re.compile(rb',\s*"usage":\s*(?:null|\{(?:[^{}]|\{[^{}]*\})*\})')
+_ID_KEYS = (b'"token_ids":[', b'"prompt_token_ids":[')
+
+
+def hide_ids(event: bytes) -> bytes:
+    """vLLM's `token_ids` / `prompt_token_ids` arrays as null (what vLLM sends unasked), for a
+    client that did not ask for them. Plain `find`: 4x faster than a regex, once per token."""
+    for key in _ID_KEYS:
+        i = event.find(key)
+        while i >= 0:
+            j = event.find(b"]", i)
+            if j < 0:
+                break
+            event = event[:i] + key[:-1] + b"null" + event[j + 1:]
+            i = event.find(key, i)
+    return event
 
 
 class EventSplitter:
@@ -97,6 +115,11 @@ def _inspect_obj(d: dict[str, Any], info: EventInfo) -> None:
                 continue
             if c.get("finish_reason"):
                 info.finished = True
+            ids = c.get("token_ids")
+            if isinstance(ids, list):
+                info.ids = ids if info.ids is None else info.ids + ids
+            if c.get("prompt_token_ids") is not None:  # a completion's, in its first choice
+                info.prompt_ids, info.head = c["prompt_token_ids"], (d.get("id"), d.get("created"))
             delta = c.get("delta")
             if isinstance(delta, dict):
                 content = delta.get("content")
@@ -110,6 +133,8 @@ def _inspect_obj(d: dict[str, Any], info: EventInfo) -> None:
                 info.tokens += 1
                 if isinstance(c["text"], str):
                     info.text += c["text"]
+    if d.get("prompt_token_ids") is not None:  # a chat stream's, beside its first chunk's choices
+        info.prompt_ids, info.head = d["prompt_token_ids"], (d.get("id"), d.get("created"))
     u = d.get("usage")
     if isinstance(u, dict):
         info.usage_out, info.usage_in = u.get("completion_tokens"), u.get("prompt_tokens")

@@ -21,8 +21,9 @@ from slogate.gateway.errors import APIError
 from slogate.gateway.exchange import Exchange
 from slogate.gateway.fleet import Backend, Fleet
 from slogate.gateway.metrics import Metrics
+from slogate.gateway.resume import by_ids, continued, ids_body
 from slogate.gateway.schema import PATHS
-from slogate.gateway.sse import KEEPALIVE, EventInfo, EventSplitter, inspect
+from slogate.gateway.sse import KEEPALIVE, EventInfo, EventSplitter, hide_ids, inspect
 
 log = logging.getLogger("slogate.gateway")
 
@@ -94,6 +95,17 @@ class Upstream:
                 # tokens, and the gaps the capacity learner measures must be per token.
                 so["continuous_usage_stats"] = True
             body["stream_options"] = so
+        ex.upstream_kind = None
+        if ex.text is not None and b.cfg.kind == "vllm":
+            # Its token ids too: a continuation from them is exact (gateway/resume.py).
+            if ex.ids is None:
+                ex.ids, ex.hide_ids = [], not body.get("return_token_ids")
+            body["return_token_ids"] = True
+            if ex.resumed and by_ids(ex, ex.resumed):
+                cont = ids_body(body, ex, b.max_len)
+                if cont is not None:
+                    ex.upstream_kind = "completions"
+                    return cont
         if ex.resumed and ex.text is not None:
             # The answer so far goes back as the start of the answer (vLLM's and SGLang's
             # continue_final_message; a completion's prompt + its text), for what is left of it.
@@ -123,7 +135,7 @@ class Upstream:
                 async with asyncio.timeout(None) as cm:
                     b.waiting.add(cm)
                     try:
-                        resp = await client.post(b.cfg.url + PATHS[ex.kind], data=content, timeout=timeout,
+                        resp = await client.post(b.cfg.url + PATHS[ex.upstream_kind or ex.kind], data=content, timeout=timeout,
                                                  headers={"content-type": "application/json", **b.headers})
                     finally:
                         b.waiting.discard(cm)
@@ -209,6 +221,9 @@ class Upstream:
         b = self.fleet.by_rid[t.replica]  # type: ignore[index]
         view, learner, content = b.view, b.learner, resp.content
         offset = ex.resumed  # tokens earlier attempts made: this replica's counts start after them
+        ids, cont = ex.ids, ex.upstream_kind is not None  # continued from token ids (gateway/resume.py)
+        if ids is not None and len(ids) != offset:
+            ids = ex.ids = None  # an attempt without ids (another engine kind) broke the count: text from here on
         sp = EventSplitter()
         first = True
         while True:
@@ -262,6 +277,15 @@ class Upstream:
                             learner.observe(view.inflight + int(b.external + 0.5), gap)
                 if info.finished and t.preempt is not None:
                     t.preempt, t.req.preemptible = None, False  # a whole answer: a resume would add to it
+                if ids is not None:
+                    if info.prompt_ids is not None and ex.prompt_ids is None:
+                        ex.prompt_ids, ex.head = info.prompt_ids, info.head
+                    if info.ids:
+                        ids.extend(info.ids)
+                    if cont:
+                        ev = continued(ev, ex)
+                    if ex.hide_ids and (info.ids is not None or info.prompt_ids is not None):
+                        ev = hide_ids(ev)
                 yield ev, info, now
             if not chunk:
                 return
