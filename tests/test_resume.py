@@ -12,6 +12,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import openai
+import pytest
 from faults import MODEL, EngineProcess
 from servers import ServerThread
 
@@ -28,28 +29,35 @@ def expected(n: int = N_TOKENS) -> str:
 
 def one(base: str, i: int, out: dict[int, Any]) -> None:
     c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-    text, usage, err = "", None, None
+    text, usage, err, ids = "", None, None, set()
     try:
         if i % 4 == 3:  # a legacy completion: resumed from its prompt + the text so far
             for ch in c.completions.create(model=MODEL, prompt="resume test", max_tokens=N_TOKENS, stream=True,
                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
                 text += ch.choices[0].text if ch.choices else ""
                 usage = ch.usage or usage
+                ids.add(ch.id)
         else:
             for ch in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "resume test"}], max_tokens=N_TOKENS,
                                                 stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
                 text += (ch.choices[0].delta.content or "") if ch.choices else ""
                 usage = ch.usage or usage
+                ids.add(ch.id)
+                leaked = ch.model_extra.get("prompt_token_ids") or any((c.model_extra or {}).get("token_ids") for c in ch.choices)
+                assert not leaked, ch  # the ids the gateway asked for are not the client's
     except openai.APIError as e:
         err = str(e)
-    out[i] = (text, usage, err)
+    out[i] = (text, usage, err, ids)
 
 
-def test_streams_on_a_killed_replica_continue_elsewhere_with_exactly_their_answer() -> None:
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_streams_on_a_killed_replica_continue_elsewhere_with_exactly_their_answer(kind: str) -> None:
+    """vllm: continued from the token ids (the simulated engine numbers answer ids as vLLM's
+    `return_token_ids` would give them, and checks them when they come back); sglang: from the text."""
     with ExitStack() as st:
         engines = [st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "30")) for _ in range(3)]
         cfg = GatewayConfig.model_validate({
-            "backends": [{"url": e.url, "name": f"e{k}", "models": [MODEL], "budget": 8} for k, e in enumerate(engines)],
+            "backends": [{"url": e.url, "name": f"e{k}", "models": [MODEL], "budget": 8, "kind": kind} for k, e in enumerate(engines)],
             "health_interval_s": 0.5, "capacity": {"learn": False}, "retries": 2})
         gw = st.enter_context(ServerThread(create_app(cfg)))
         out: dict[int, Any] = {}
@@ -80,3 +88,7 @@ def test_streams_on_a_killed_replica_continue_elsewhere_with_exactly_their_answe
     assert max(running) >= 4, running  # 24 streams on 3 engines
     assert resumed >= 2 and gaps == resumed, (running, resumed, gaps)  # the mechanism engaged; each resume's gap was seen
     assert completed == 24
+    # By ids, a continuation keeps the stream's chunk id (the gateway rewrites its chunks); by
+    # text, the next engine's chat chunks carry its own id: one way to see which path ran.
+    changed = sum(len(r[3]) > 1 for r in out.values())
+    assert changed == 0 if kind == "vllm" else changed >= 1, changed

@@ -34,7 +34,7 @@ class EventInfo:
 # A chunk's `"usage": {...}` member (one level of nesting: prompt_tokens_details), to strip the
 # per-chunk usage the gateway asked for when the client did not.
 USAGE_FIELD = re.compile(rb',\s*"usage":\s*(?:null|\{(?:[^{}]|\{[^{}]*\})*\})')
-_ID_KEYS = (b'"token_ids":[', b'"prompt_token_ids":[')
+_ID_KEYS = (b'"token_ids":', b'"prompt_token_ids":')
 
 
 def hide_ids(event: bytes) -> bytes:
@@ -43,11 +43,15 @@ def hide_ids(event: bytes) -> bytes:
     for key in _ID_KEYS:
         i = event.find(key)
         while i >= 0:
-            j = event.find(b"]", i)
+            k, n = i + len(key), len(event)
+            while k < n and event[k] == 32:  # a space after the colon (Python's json.dumps)
+                k += 1
+            j = event.find(b"]", k) if k < n and event[k] == 91 else -1  # 91: "["
             if j < 0:
-                break
-            event = event[:i] + key[:-1] + b"null" + event[j + 1:]
-            i = event.find(key, i)
+                i = event.find(key, k)  # null already
+                continue
+            event = event[:i] + key + b"null" + event[j + 1:]
+            i = event.find(key, i + len(key))
     return event
 
 

@@ -26,6 +26,7 @@ import re
 import struct
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -73,8 +74,24 @@ def _err(status: int, message: str, type_: str = "invalid_request_error", param:
 _TOK = re.compile(r"tok\d+ ")
 
 
+ANSWER_ID = 100_000  # token `tokN` has id ANSWER_ID + N; prompt ids are below it
+
+
+def prompt_ids(text: str) -> list[int]:
+    """The prompt's token ids, as vLLM's `return_token_ids` gives them: one per 4 characters."""
+    return [1 + zlib.crc32(text[i:i + 4].encode()) % (ANSWER_ID - 1) for i in range(0, len(text), 4)] or [1]
+
+
 def _continued_tokens(body: dict[str, Any], chat: bool) -> int:
-    """How many numbered tokens the answer being continued already has."""
+    """How many numbered tokens the answer being continued already has: from the text
+    (`continue_final_message`, a completion prompt ending in generated text) or from a prompt of
+    token ids (vLLM's /v1/completions), whose answer ids must be exactly ANSWER_ID + 0, 1, … in
+    order; anything else numbers from a million, so a test sees the ids were wrong."""
+    prompt = body.get("prompt")
+    if not chat and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        answer = [t - ANSWER_ID for t in prompt if t >= ANSWER_ID]
+        return len(answer) if answer == list(range(len(answer))) and prompt[len(prompt) - len(answer):] == [
+            ANSWER_ID + k for k in answer] else 1_000_000
     if chat:
         msgs = body.get("messages") or []
         last = msgs[-1] if msgs and isinstance(msgs[-1], dict) else {}
@@ -147,7 +164,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
 
     def _tokens(body: dict[str, Any], max_key: str) -> tuple[int, int, AsyncIterator[int]]:
         text = _prompt_text(body)
-        n_in = len(text) // 4 + 1
+        n_in = len(body["prompt"]) if isinstance(body.get("prompt"), list) else len(text) // 4 + 1
         n_out = answer_length(text, body.get(max_key) or body.get("max_completion_tokens"), bool(body.get("ignore_eos")))
         e = engine()
         # Prefix caching on the prompt's text blocks (4 characters a token, as n_in counts).
@@ -218,13 +235,22 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         include_usage = bool(so.get("include_usage"))
         continuous = include_usage and bool(so.get("continuous_usage_stats"))  # vLLM: the running count in every chunk
 
+        ids = bool(body.get("return_token_ids"))  # vLLM: the prompt's ids first, then each chunk's
+        p_ids = (body["prompt"] if isinstance(body.get("prompt"), list) else prompt_ids(_prompt_text(body))) if ids else None
+
         async def stream() -> AsyncIterator[bytes]:
             base = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created, "model": model}
             n = 0
             if chat:
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                            "prompt_token_ids": p_ids})
             async for _ in toks:
-                yield _sse({**base, "choices": [piece(f"tok{first + n} ", None)], **({"usage": _usage(n_in, n + 1)} if continuous else {})})
+                c = piece(f"tok{first + n} ", None)
+                if ids:
+                    c["token_ids"] = [ANSWER_ID + first + n]
+                    if not chat and n == 0:
+                        c["prompt_token_ids"] = p_ids
+                yield _sse({**base, "choices": [c], **({"usage": _usage(n_in, n + 1)} if continuous else {})})
                 n += 1
             yield _sse({**base, "choices": [piece(None, finish)]})
             if include_usage:
