@@ -172,3 +172,27 @@ class Watch(threading.Thread):
 
     def first(self, after: float, value: float) -> float | None:
         return next((t for t, v in self.samples if t >= after and v == value), None)
+
+
+def numbered_answer(base: str, prompt: str, n: int, chat: bool, extra: dict[str, Any] | None = None,
+                    timeout: float = 120) -> tuple[str, Any, str | None, set[str]]:
+    """One streamed answer of `n` tokens through the openai SDK (chat or legacy completion, usage
+    asked): its text, usage, error (None) and the chunk ids it came in. Fails if a chunk carries
+    token ids the client did not ask for (the gateway asks vLLM for them to resume by ids)."""
+    c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    text, usage, err, ids = "", None, None, set()
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True},
+                          "extra_body": {"ignore_eos": True, **(extra or {})}}
+    try:
+        it = (c.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw) if chat
+              else c.completions.create(prompt=prompt, **kw))
+        for ch in it:
+            ids.add(ch.id)
+            usage = ch.usage or usage
+            assert not (ch.model_extra or {}).get("prompt_token_ids"), ch
+            for choice in ch.choices:
+                assert not (choice.model_extra or {}).get("token_ids"), ch
+                text += (choice.delta.content or "") if chat else choice.text
+    except openai.APIError as e:
+        err = str(e)
+    return text, usage, err, ids

@@ -14,8 +14,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-import openai
-from faults import MODEL, EngineProcess
+from faults import MODEL, EngineProcess, numbered_answer
 from servers import ServerThread
 
 from slogate.gateway.app import create_app
@@ -37,24 +36,8 @@ def diverges(got: str, want: str) -> str:
 
 
 def one(base: str, i: int, out: dict[int, Any]) -> None:
-    c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
-    text, usage, err = "", None, None
     slo = {"slo": {"kind": "best_effort"}} if i % 2 else {"slo": {"deadline_ms": 60000}}  # what GMAX may preempt
-    try:
-        if i % 5 == 4:
-            for ch in c.completions.create(model=MODEL, prompt="preempt me", max_tokens=N_TOKENS, stream=True,
-                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **slo}):
-                text += ch.choices[0].text if ch.choices else ""
-                usage = ch.usage or usage
-        else:
-            for ch in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "preempt me"}], max_tokens=N_TOKENS,
-                                                stream=True, stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True, **slo}):
-                text += (ch.choices[0].delta.content or "") if ch.choices else ""
-                usage = ch.usage or usage
-    except openai.APIError as e:
-        err = str(e)
-    out[i] = (text, usage, err)
+    out[i] = numbered_answer(base, "preempt me", N_TOKENS, chat=i % 5 != 4, extra=slo)
 
 
 def test_preempted_streams_continue_with_exactly_their_answer_over_a_thousand_preemptions() -> None:

@@ -11,9 +11,8 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-import openai
 import pytest
-from faults import MODEL, EngineProcess
+from faults import MODEL, EngineProcess, numbered_answer
 from servers import ServerThread
 
 from slogate.gateway.app import create_app
@@ -28,26 +27,8 @@ def expected(n: int = N_TOKENS) -> str:
 
 
 def one(base: str, i: int, out: dict[int, Any]) -> None:
-    c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
-    text, usage, err, ids = "", None, None, set()
-    try:
-        if i % 4 == 3:  # a legacy completion: resumed from its prompt + the text so far
-            for ch in c.completions.create(model=MODEL, prompt="resume test", max_tokens=N_TOKENS, stream=True,
-                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
-                text += ch.choices[0].text if ch.choices else ""
-                usage = ch.usage or usage
-                ids.add(ch.id)
-        else:
-            for ch in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "resume test"}], max_tokens=N_TOKENS,
-                                                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
-                text += (ch.choices[0].delta.content or "") if ch.choices else ""
-                usage = ch.usage or usage
-                ids.add(ch.id)
-                leaked = ch.model_extra.get("prompt_token_ids") or any((c.model_extra or {}).get("token_ids") for c in ch.choices)
-                assert not leaked, ch  # the ids the gateway asked for are not the client's
-    except openai.APIError as e:
-        err = str(e)
-    out[i] = (text, usage, err, ids)
+    # every fourth a legacy completion: resumed from its prompt + the answer so far
+    out[i] = numbered_answer(base, "resume test", N_TOKENS, chat=i % 4 != 3, timeout=60)
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
