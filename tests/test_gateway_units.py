@@ -211,6 +211,10 @@ def test_a_continuation_from_token_ids_is_the_engines_own_sequence() -> None:
     c = ids_body(body, ex, None)
     assert c == {"model": "m", "prompt": [1, 2, 3, 5, 6], "max_tokens": 8, "min_tokens": 2, "temperature": 0, "stream": True,
                  "return_token_ids": True}
+    # From the last token whose text the client has (the engine held the rest back as part of a
+    # character): those tokens are made again, and the length left grows by them.
+    back = ids_body(body, ex, None, keep=1)
+    assert back is not None and back["prompt"] == [1, 2, 3, 5] and back["max_tokens"] == 9 and back["min_tokens"] == 3
     del body["max_completion_tokens"]
     assert ids_body(body, ex, None) is None  # a completion's default is 16 tokens: unknown length left, no continuation
     assert ids_body(body, ex, 100)["max_tokens"] == 95  # type: ignore[index]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableSequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -15,6 +15,26 @@ from slogate.gateway.slo import Resolved
 from slogate.gateway.workflows import LiveCall
 from slogate.router.goodput import RequestLedger
 from slogate.router.request import Request as CoreRequest
+
+
+class AnswerText:
+    """An answer's text so far, joined every 256 pieces: a string object per token would cost
+    ~57 bytes each for as long as the stream lasts (io.StringIO keeps them too, up to 100,000)."""
+
+    __slots__ = ("blocks", "tail")
+
+    def __init__(self) -> None:
+        self.blocks: list[str] = []
+        self.tail: list[str] = []
+
+    def write(self, s: str) -> None:
+        self.tail.append(s)
+        if len(self.tail) >= 256:
+            self.blocks.append("".join(self.tail))
+            self.tail.clear()
+
+    def getvalue(self) -> str:
+        return "".join(self.blocks) + "".join(self.tail)
 
 
 @dataclass(eq=False, slots=True)
@@ -35,14 +55,15 @@ class Exchange:
     # Resuming an answer on another replica when its replica fails mid-stream: the text so far
     # (None: the answer cannot be continued, e.g. tool calls), the tokens earlier attempts made,
     # and the prompt's token count from the first attempt's usage.
-    text: list[str] | None = None
+    text: AnswerText | None = None
     resumed: int = 0
     prompt_tokens: int | None = None
     # On vLLM, the token ids too (`return_token_ids`): a continuation from the very tokens the
     # engine had (prompt ids + answer ids, through /v1/completions) is exact where re-tokenized
     # text may merge characters differently and change the answer.
-    ids: list[int] | None = None  # the answer's token ids so far (None: not tracked)
+    ids: MutableSequence[int] | None = None  # the answer's token ids so far (None: not tracked)
     prompt_ids: list[int] | None = None  # the templated prompt's ids, from the first attempt
+    ids_whole: int = 0  # how many of `ids` the client has the text of (none held back as part of a character)
     head: tuple[str, int] | None = None  # the first attempt's chunk id and `created`, kept on a continuation
     hide_ids: bool = False  # the gateway asked for the ids, the client did not: they go out as null
     upstream_kind: str | None = None  # the endpoint the open attempt uses, when not `kind` (chat continued as a completion)

@@ -34,7 +34,7 @@ from slogate.gateway.auth import Authenticator
 from slogate.gateway.config import RESTART_ONLY, GatewayConfig
 from slogate.gateway.discovery import Discovery
 from slogate.gateway.errors import APIError, as_openai_error, error_body
-from slogate.gateway.exchange import Disconnect, Exchange
+from slogate.gateway.exchange import AnswerText, Disconnect, Exchange
 from slogate.gateway.fleet import Backend, Fleet
 from slogate.gateway.metrics import Metrics
 from slogate.gateway.pacing import Pacer
@@ -313,7 +313,7 @@ class Gateway:
                 req.session = zlib.crc32(sess.encode()) or 1
         stream = bool(body.get("stream"))
         ex = Exchange(kind, adm, req, res, (model, res.tier.name, res.slo.kind.value), stream, body_size > JSON_IN_THREAD,
-                      text=[] if resumable(kind, res.body, stream) else None, call=call)
+                      text=AnswerText() if resumable(kind, res.body, stream) else None, call=call)
         overhead = time.perf_counter() - t_recv
         dc = Disconnect(request)
         try:

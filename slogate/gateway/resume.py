@@ -29,16 +29,17 @@ def by_ids(ex: Exchange, generated: int) -> bool:
     return ex.ids is not None and ex.prompt_ids is not None and len(ex.ids) == generated > 0
 
 
-def ids_body(body: dict[str, Any], ex: Exchange, max_len: int | None) -> dict[str, Any] | None:
-    """The /v1/completions body that continues `ex` from prompt ids + answer ids, for what is
-    left of its answer; None where the length left is unknown (no max_tokens and no context
-    length: a completion's default is 16 tokens)."""
+def ids_body(body: dict[str, Any], ex: Exchange, max_len: int | None, keep: int | None = None) -> dict[str, Any] | None:
+    """The /v1/completions body that continues `ex` from prompt ids + its first `keep` answer ids
+    (all by default), for what is left of its answer; None where the length left is unknown (no
+    max_tokens and no context length: a completion's default is 16 tokens)."""
     assert ex.ids is not None and ex.prompt_ids is not None
-    prompt = ex.prompt_ids + ex.ids
+    ids = ex.ids if keep is None else ex.ids[:keep]
+    prompt = [*ex.prompt_ids, *ids]
     out = {k: body[k] for k in SHARED if k in body} if ex.kind == "chat" else dict(body)
     cap = body.get("max_completion_tokens", body.get("max_tokens"))
     if isinstance(cap, int):
-        left = max(cap - len(ex.ids), 1)
+        left = max(cap - len(ids), 1)
     elif max_len:
         left = max(max_len - len(prompt), 1)
     else:
@@ -46,7 +47,7 @@ def ids_body(body: dict[str, Any], ex: Exchange, max_len: int | None) -> dict[st
     out.pop("max_completion_tokens", None)
     out["max_tokens"], out["prompt"] = left, prompt
     if isinstance(body.get("min_tokens"), int):
-        out["min_tokens"] = max(body["min_tokens"] - len(ex.ids), 0)
+        out["min_tokens"] = max(body["min_tokens"] - len(ids), 0)
     return out
 
 

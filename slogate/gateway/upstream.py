@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import time
+from array import array
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -99,17 +100,23 @@ class Upstream:
         if ex.text is not None and b.cfg.kind == "vllm":
             # Its token ids too: a continuation from them is exact (gateway/resume.py).
             if ex.ids is None:
-                ex.ids, ex.hide_ids = [], not body.get("return_token_ids")
+                ex.ids, ex.hide_ids = array("l"), not body.get("return_token_ids")  # 8 bytes a token, not ~36
             body["return_token_ids"] = True
             if ex.resumed and by_ids(ex, ex.resumed):
-                cont = ids_body(body, ex, b.max_len)
+                # From the last token whose text reached the client: a prompt that ends inside a
+                # character makes vLLM's detokenizer hold its whole prompt back and send it as
+                # answer text (measured). The tokens after it are made again, their text with them.
+                keep = ex.ids_whole
+                cont = ids_body(body, ex, b.max_len, keep)
                 if cont is not None:
-                    ex.upstream_kind = "completions"
+                    assert ex.ids is not None
+                    del ex.ids[keep:]
+                    ex.resumed, ex.upstream_kind = keep, "completions"
                     return cont
         if ex.resumed and ex.text is not None:
             # The answer so far goes back as the start of the answer (vLLM's and SGLang's
             # continue_final_message; a completion's prompt + its text), for what is left of it.
-            text = "".join(ex.text)
+            text = ex.text.getvalue()
             if ex.kind == "chat":
                 body["messages"] = [*body["messages"], {"role": "assistant", "content": text}]
                 body["continue_final_message"], body["add_generation_prompt"] = True, False
@@ -253,12 +260,14 @@ class Upstream:
                         ex.prompt_tokens = info.usage_in
                 if info.usage_out is not None and not info.usage_only and info.usage_out > t.req.generated:
                     info.tokens = info.usage_out - t.req.generated  # several tokens in one chunk (see `body`)
+                if ex.text is not None and (info.tokens or info.text):
+                    # (text without new tokens: what a continuation makes again of a character
+                    # the engine had held back; see `body`)
+                    if info.opaque:
+                        ex.text = None
+                    else:
+                        ex.text.write(info.text)
                 if info.tokens:
-                    if ex.text is not None:
-                        if info.opaque:
-                            ex.text = None
-                        else:
-                            ex.text.append(info.text)
                     n, kv, before = view.n_decode, view.decode_kv, t.req.last_token_at
                     gap = adm.tokens(t, info.tokens, now)
                     if gap is None:
@@ -282,10 +291,13 @@ class Upstream:
                         ex.prompt_ids, ex.head = info.prompt_ids, info.head
                     if info.ids:
                         ids.extend(info.ids)
+                        if info.text:
+                            ex.ids_whole = len(ids)  # nothing held back: a continuation may start here
                     if cont:
                         ev = continued(ev, ex)
                     if ex.hide_ids and (info.ids is not None or info.prompt_ids is not None):
                         ev = hide_ids(ev)
+                    info.ids = info.prompt_ids = None  # kept in `ex`; the event may wait in a slow client's buffer
                 yield ev, info, now
             if not chunk:
                 return
