@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,6 +122,11 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         wait_http(f"{url}/v1/models", timeout=60)
         return p, url
+    if system == "passthrough":  # a bare Python proxy (round robin, no parsing): what any Python hop costs here
+        p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "passthrough.py"), "--port", str(port),
+                              *[a for u in urls for a in ("--backend", u)]], start_new_session=True)
+        wait_http(f"{url}/v1/chat/completions", timeout=60, below=500)
+        return p, url
     serve = [sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--port", str(port),
              "--log-level", os.environ.get("BENCH_GATEWAY_LOG", "warning")]
     if system == "slogate" or system.startswith("slogate@"):  # what a user types: no config at all
@@ -134,6 +140,8 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
         path = tmp / f"{system}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         serve += ["--config", str(path)]
+    if os.environ.get("BENCH_GATEWAY_NICE"):  # a diagnosis: the gateway yields the CPU to the engines it shares it with
+        serve = ["nice", "-n", os.environ["BENCH_GATEWAY_NICE"], *serve]
     p = subprocess.Popen(serve, start_new_session=True)
     wait_http(f"{url}/health", timeout=60)
     return p, url
@@ -255,16 +263,40 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 class Routed:
-    """A router under test: its URL, and its CPU use per wall second from start to `done()`."""
+    """A router under test: its URL, its CPU use per wall second from start to `done()`, and the
+    batches its placement gave the engines (each engine's running requests, sampled)."""
 
-    def __init__(self, proc: subprocess.Popen, url: str) -> None:
+    def __init__(self, proc: subprocess.Popen, url: str, engines: list[str] = ()) -> None:  # type: ignore[assignment]
         self.proc, self.url = proc, url
         self._cpu0, self._t0 = cpu_s(proc.pid), time.monotonic()
         self.wall_s = self.cpu_share = 0.0
+        self.running: list[list[float]] = []  # per sample, each engine's vllm:num_requests_running
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, args=(list(engines),), daemon=True)
+        if engines:
+            self._sampler.start()
+
+    def _sample(self, engines: list[str]) -> None:
+        with httpx.Client(timeout=2) as c:
+            while not self._stop.wait(0.25):
+                try:
+                    row = [sum(v for _, v in samples(c.get(f"{u}/metrics").text, "vllm:num_requests_running")) for u in engines]
+                except httpx.HTTPError:
+                    continue
+                self.running.append(row)
 
     def done(self) -> None:
         self.wall_s = time.monotonic() - self._t0
         self.cpu_share = (cpu_s(self.proc.pid) - self._cpu0) / max(self.wall_s, 1e-9)
+        self._stop.set()
+
+    def batches(self) -> dict[str, float | None]:
+        """The batch a generated token saw on average (Σr²/Σr over samples and engines: what
+        decode speed depends on) and the mean spread between the fullest and emptiest engine."""
+        flat = [r for row in self.running for r in row]
+        busy = [row for row in self.running if sum(row) > 0]
+        return {"engine_batch_per_token": round(sum(r * r for r in flat) / sum(flat), 2) if sum(flat) else None,
+                "engine_spread": round(sum(max(row) - min(row) for row in busy) / len(busy), 2) if busy else None}
 
 
 @contextlib.contextmanager
@@ -273,7 +305,7 @@ def routed(system: str, urls: list[str], tmp: Path) -> Iterator[Routed]:
     reset_caches(urls)
     proc, url = start_router(system, urls, tmp)
     try:
-        r = Routed(proc, url)
+        r = Routed(proc, url, urls)
         yield r
         if not r.wall_s:
             r.done()
@@ -288,7 +320,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
         res = asyncio.run(replay(rt.url, reqs, budgets))
         rt.done()
         shed: dict[str, float] = {}
-        if not system.startswith("vllm-router"):  # why slogate refused what it refused
+        if not system.startswith(("vllm-router", "passthrough")):  # why slogate refused what it refused
             for labels, v in samples(httpx.get(f"{rt.url}/metrics", timeout=5).text, "slogate_shed_total"):
                 shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
     gp, att = 0.0, 0
@@ -322,7 +354,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "ideal_output_tokens": round(sum(r["n_out"] for r in res) / duration, 1),
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tpot_p50": pct(tpots, 0.5), "tpot_p90": pct(tpots, 0.9),
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
-            "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1),
+            "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1), **rt.batches(),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None, "shed": shed,
             "outcomes": outcomes}
 
@@ -335,7 +367,7 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
     """guidellm as the client, sending no SLO field at all (its requests are what any OpenAI
     client sends): Poisson arrivals, synthetic prompts of the trace's mean lengths, judged by
     guidellm's own SLO rule (TTFT ≤ 1 s, inter-token latency ≤ 50 ms)."""
-    out = tmp / f"guidellm-{system}-{rate:g}.json"
+    out = tmp / "guidellm-{}-{:g}.json".format(system.replace("/", "_"), rate)
     out.unlink(missing_ok=True)
     with routed(system, urls, tmp) as rt:
         cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={rt.url},model=tiny", "--profile", f"kind=poisson,rate={rate:g}",
@@ -368,14 +400,14 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             "ttft_p50_ms": p("time_to_first_token_ms", "p50"), "ttft_p90_ms": p("time_to_first_token_ms", "p90"),
             "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
             "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
-            "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3)}
+            "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3), **rt.batches()}
 
 
 def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, tmp: Path, vllm_python: str, tokenizer: Path, seed: int,
                    lengths: tuple[int, int] = (450, 215)) -> dict:
     """`vllm bench serve` as the client, no SLO field, judged by its own `--goodput ttft:1000
     tpot:50` (TPOT = (latency − TTFT) / (output tokens − 1))."""
-    name = f"vllmbench-{system}-{rate:g}-{seed}.json"
+    name = "vllmbench-{}-{:g}-{}.json".format(system.replace("/", "_"), rate, seed)  # (a variant names its config file)
     with routed(system, urls, tmp) as rt:
         cmd = [vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai-chat", "--base-url", rt.url,
                "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", str(tokenizer), "--dataset-name", "random",
@@ -405,7 +437,7 @@ def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, t
             "ttft_p90_ms": pct([1000 * x for x, e in zip(d["ttfts"], d["errors"], strict=False) if not e], 0.9),
             "itl_p50_ms": pct([1000 * g for it in d["itls"] for g in it], 0.5), "itl_p90_ms": pct([1000 * g for it in d["itls"] for g in it], 0.9),
             "itl_p99_ms": pct([1000 * g for it in d["itls"] for g in it], 0.99), "tpot_p50_ms": pct([1000 * t for t in tpots], 0.5),
-            "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3)}
+            "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3), **rt.batches()}
 
 
 def report_guidellm(rows: list[dict]) -> list[str]:
@@ -422,12 +454,15 @@ def report_guidellm(rows: list[dict]) -> list[str]:
             cells.append(f"{med(r['goodput_tokens'] for r in rs):.0f} tok/s / {100 * med(r['slo_attainment'] for r in rs):.0f}% / "
                          f"{med(r['itl_p50_ms'] or 0 for r in rs):.1f}, {med(r['itl_p90_ms'] or 0 for r in rs):.1f} ms")
         out.append(f"| {rate:g} req/s | " + " | ".join(cells) + " |")
+    batches = any("engine_batch_per_token" in r for r in rows)  # sampled since the placement diagnosis
     out += ["", "| repeat | rate | system | sent | successful / incomplete / errored | attainment | goodput | TTFT p50 / p90 ms | "
-                "ITL p50 / p90 / p99 ms | TPOT p50 ms | router CPU |", "|---:|---:|---|---:|---|---:|---:|---|---|---:|---:|"]
+                "ITL p50 / p90 / p99 ms | TPOT p50 ms | router CPU |" + (" engine batch a token saw / spread |" if batches else ""),
+            "|---:|---:|---|---:|---|---:|---:|---|---|---:|---:|" + ("---|" if batches else "")]
     for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
         out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['successful']} / {r['incomplete']} / {r['errored']} | "
                    f"{100 * r['slo_attainment']:.0f}% | {r['goodput_tokens']:.0f} tok/s | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} | "
-                   f"{r['itl_p50_ms']} / {r['itl_p90_ms']} / {r['itl_p99_ms']} | {r['tpot_p50_ms']} | {100 * r['router_cpu_share']:.0f}% |")
+                   f"{r['itl_p50_ms']} / {r['itl_p90_ms']} / {r['itl_p99_ms']} | {r['tpot_p50_ms']} | {100 * r['router_cpu_share']:.1f}% |"
+                   + (f" {r.get('engine_batch_per_token')} / {r.get('engine_spread')} |" if batches else ""))
     return out
 
 

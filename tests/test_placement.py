@@ -84,3 +84,31 @@ def test_round_robin_cycles_and_least_load_balances():
     assert [rr.place(0.0, req(i), reps).rid for i in range(4)] == [0, 1, 2, 0]
     reps[0].claim(req(50), 0.0)
     assert LeastLoad().place(0.0, req(1), reps).rid in (1, 2)
+
+
+def test_gorouting_sends_a_stream_beside_the_one_about_to_end():
+    """Two light replicas with one decoding stream each: `a`'s has 10 tokens left, `b`'s 200.
+    A new 200-token stream beside `a`'s shares its batch for 10 of its tokens, beside `b`'s for
+    all of them; a count of streams calls it a tie (and round robin happens to get it right
+    half the time). Every seed must pick `a`; the paper's count (`balance: count`) picks both."""
+    picks = {"overlap": set(), "count": set()}
+    for balance in picks:
+        for seed in range(20):
+            a, b = view(0), view(1)
+            for p, rid, left in ((a, 1, 10), (b, 2, 200)):
+                r = req(rid, inp=100, slo=SLO.latency(2.0, 0.1), bound=left)
+                p.claim(r, 0.0)
+                p.first_token(r, 0.0)
+            new = req(3, inp=100, slo=SLO.latency(2.0, 0.1), bound=200)
+            assert a.overlap(new) == pytest.approx(10 / 200) and b.overlap(new) == pytest.approx(1.0)
+            picks[balance].add(GoRouting(seed=seed, balance=balance).place(0.1, new, [b, a]).rid)  # type: ignore[union-attr]
+    assert picks == {"overlap": {0}, "count": {0, 1}}
+
+
+def test_a_combination_names_the_placement_parameters_too():
+    from slogate.router.scheduler import Scheduler
+
+    assert Scheduler.from_combo("gmax+gorouting?balance=count&alpha=0.9").placement.balance == "count"  # type: ignore[attr-defined]
+    assert Scheduler.from_combo("gmax?lead_factor=0+gorouting").placement.balance == "overlap"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="balance"):
+        Scheduler.from_combo("gmax+gorouting?balance=sideways")

@@ -124,20 +124,23 @@ def make_placement(name: str, seed: int = 0, **params: Any) -> PlacementPolicy:
 
 
 def parse_combo(combo: str) -> tuple[str, str]:
-    """'gmax+gorouting' -> ('gmax', 'gorouting'), validating both names (and the ordering's
-    parameters, if any: see `ordering_params`)."""
+    """'gmax+gorouting' -> ('gmax', 'gorouting'), validating both names (and each policy's
+    parameters, if any: `gmax?lead_factor=0+gorouting?balance=count`, see `ordering_params`)."""
     if combo.count("+") != 1:
         raise ValueError(f"policy combination must be ORDERING+PLACEMENT, got {combo!r}")
     o, p = combo.split("+")
     o, params = ordering_params(o)
+    p, p_params = ordering_params(p)
     name = check_policy("ordering", o)
     ORDERING.check_params(ORDERING.key(name), params)
-    return name, check_policy("placement", p)
+    p_name = check_policy("placement", p)
+    PLACEMENT.check_params(PLACEMENT.key(p_name), p_params)
+    return name, p_name
 
 
 def ordering_params(spec: str) -> tuple[str, dict[str, Any]]:
-    """'gmax?lead_factor=0&preempt=false' -> ('gmax', {'lead_factor': 0, 'preempt': False}): an
-    ordering's parameters inside a combination (the simulator's `--policies`), values as YAML."""
+    """'gmax?lead_factor=0&preempt=false' -> ('gmax', {'lead_factor': 0, 'preempt': False}): a
+    policy's parameters inside a combination (the simulator's `--policies`), values as YAML."""
     import yaml
 
     name, _, query = spec.partition("?")

@@ -30,7 +30,8 @@ class Scheduler:
     @classmethod
     def from_combo(cls, combo: str, seed: int = 0) -> Scheduler:
         o, p = parse_combo(combo)
-        return cls(make_ordering(o, seed=seed, **ordering_params(combo.split("+")[0])[1]), make_placement(p, seed=seed))
+        o_spec, p_spec = combo.split("+")
+        return cls(make_ordering(o, seed=seed, **ordering_params(o_spec)[1]), make_placement(p, seed=seed, **ordering_params(p_spec)[1]))
 
     @property
     def name(self) -> str:

@@ -134,6 +134,17 @@ class ReplicaView:
         work = self.model.beta_p * self.prefill_raw
         return max(work - (now - self.ts_prefill), 0.0) if work else 0.0
 
+    def overlap(self, req: Request) -> float:
+        """How many streams `req` would share this replica's batch with, each weighted by the share
+        of req's answer it is still generating (bounds): one about to finish barely counts. What
+        decode speed depends on over req's life, which a count of streams misjudges."""
+        mine = max(req.remaining_bound, 1.0)
+        n = float(self.remote_decode + self.remote_prefill)  # other gateways' streams: counts only
+        for q in (self.decoding, self.prefill_queue):
+            for r in q.values():
+                n += min(r.remaining_bound, mine) / mine
+        return n
+
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:
         """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
         t = self.prefill_backlog(now) + self.n_decode * self.model.b_d

@@ -17,6 +17,7 @@ rule over the prefill pool, and the decode replica with the most free KV blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from slogate.router.placement.base import PlacementPolicy
 from slogate.router.request import Request, SLOClass
@@ -34,9 +35,10 @@ class GoRouting(PlacementPolicy):
     name = "gorouting"
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
-                 wait_for_cache: float = 0.2, seed: int = 0) -> None:
+                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap", seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
+        self.balance = balance  # the lightest of the light replicas by `overlap`, or the paper's n_d·b_d
         self.wait_for_cache = wait_for_cache  # share of the prompt a full holder must hold more than any free replica (0: never wait)
 
     def _value(self, r: Request) -> float:
@@ -99,7 +101,12 @@ class GoRouting(PlacementPolicy):
         slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
         light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
         if light:
-            return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
+            # The lightest by the batch `req` would decode in over its life: streams about to end
+            # count for little (a count of streams sent a request beside younger ones, and the
+            # engine's pace, hence every stream's TPOT, follows the batch; real vLLM, measured).
+            if self.balance == "count":
+                return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
+            return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.overlap(req) * p.model.b_d)
         not_heavy = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if not_heavy:
             return max(not_heavy, key=lambda p: p.estimate_exec(now))
