@@ -320,9 +320,12 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
         res = asyncio.run(replay(rt.url, reqs, budgets))
         rt.done()
         shed: dict[str, float] = {}
+        preempted = 0.0
         if not system.startswith(("vllm-router", "passthrough")):  # why slogate refused what it refused
-            for labels, v in samples(httpx.get(f"{rt.url}/metrics", timeout=5).text, "slogate_shed_total"):
+            text = httpx.get(f"{rt.url}/metrics", timeout=5).text
+            for labels, v in samples(text, "slogate_shed_total"):
                 shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
+            preempted = sum(v for _, v in samples(text, "slogate_preemptions_total"))
     gp, att = 0.0, 0
     by_rule = {"tpot": [0, 0.0], "timeline": [0, 0.0]}
     outcomes = []
@@ -356,6 +359,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
             "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1), **rt.batches(),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None, "shed": shed,
+            "preempted": preempted,
             "outcomes": outcomes}
 
 

@@ -125,7 +125,8 @@ def anchor(profile: dict, rows: list[dict], rate: float, duration: float, replic
 
 
 def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:
-    combo, learn, budget = SYSTEMS[system]
+    # A named system, or any policy combination run as slogate runs it (learned budgets capped at 48).
+    combo, learn, budget = SYSTEMS.get(system, (system, True, 48))
     k = profile["prompt_tokens_per_n_in"]
     jobs = []
     for a in reqs:
@@ -169,6 +170,26 @@ def compare(profile: dict, real: dict, replicas: int, anchored: bool = False) ->
     return "\n".join(out)
 
 
+def sweep(profile: dict, kappa: float, rates: list[float], seeds: int, systems: list[str], replicas: int, duration: float) -> tuple[str, list[dict]]:
+    """Each system on the benchmark's arrivals for `seeds` seeds per rate, on the engines of the
+    profile scaled by κ: many more runs than real engines allow, to rank defaults (means of token
+    goodput over the seeds, every seed kept in the rows)."""
+    prof = scaled(profile, kappa)
+    rows, out = [], ["| rate | system | token goodput, mean (min–max over seeds) | attainment, mean | latency / deadline attainment | shed | preempted |",
+                     "|---:|---|---|---:|---|---:|---:|"]
+    for rate in rates:
+        for system in systems:
+            rs = [sim_run(prof, arrivals(rate, duration, seed), duration, system, replicas, seed) for seed in range(seeds)]
+            gp = [r["token_goodput"] for r in rs]
+            att = [r["slo_attainment"]["all"] for r in rs]
+            by = {k: statistics.mean(r["slo_attainment"].get(k) or 0 for r in rs) for k in ("latency", "deadline")}
+            rows += [{"rate": rate, "system": system, "seed": i, **{k: r[k] for k in ("token_goodput", "slo_attainment", "shed", "preempted")}}
+                     for i, r in enumerate(rs)]
+            out.append(f"| {rate:g} | {system} | {statistics.mean(gp):.0f} ({min(gp):.0f}–{max(gp):.0f}) | {100 * statistics.mean(att):.1f}% | "
+                       f"{100 * by['latency']:.0f}% / {100 * by['deadline']:.0f}% | {sum(r['shed'] for r in rs)} | {sum(r['preempted'] for r in rs)} |")
+    return "\n".join(out), rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -182,7 +203,25 @@ def main() -> None:
     c.add_argument("--real", type=Path, required=True)
     c.add_argument("--replicas", type=int, default=2)
     c.add_argument("--anchor", action="store_true", help="scale the profile so the lowest rate's TTFT p50 matches the real run's, then predict")
+    c.add_argument("--slogate", default=SYSTEMS["slogate"][0], help="the policy combination the real run's slogate ran "
+                   "(e.g. 'gmax?preempt=true+gorouting' for runs made while GMAX preempted by default)")
+    w = sub.add_parser("sweep", help="policy combinations on the benchmark's arrivals, many seeds, calibrated engines")
+    w.add_argument("--profile", type=Path, required=True)
+    w.add_argument("--kappa", type=float, default=1.0, help="cost scale (compare --anchor prints the one a real run implies)")
+    w.add_argument("--rates", default="1,1.5,2,3")
+    w.add_argument("--seeds", type=int, default=10)
+    w.add_argument("--systems", default="vllm-router-rr,slogate", help="names in SYSTEMS or ORDERING+PLACEMENT combinations")
+    w.add_argument("--replicas", type=int, default=2)
+    w.add_argument("--duration", type=float, default=40.0)
+    w.add_argument("--out", type=Path)
     a = ap.parse_args()
+    if a.cmd == "sweep":
+        table, rows = sweep(json.loads(a.profile.read_text()), a.kappa, [float(x) for x in a.rates.split(",")], a.seeds,
+                            a.systems.split(","), a.replicas, a.duration)
+        print(table)
+        if a.out:
+            a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=1))
+        return
     if a.cmd == "fit":
         tmp = Path(tempfile.mkdtemp())
         procs, urls = start_vllm(a.vllm_python, build_model(a.vllm_python, a.model_dir), a.replicas, tmp)
@@ -197,6 +236,7 @@ def main() -> None:
         a.out.write_text(json.dumps(prof, indent=2))
         print(json.dumps({k: v for k, v in prof.items() if not k.endswith("samples")}, indent=2))
     else:
+        SYSTEMS["slogate"] = (a.slogate, *SYSTEMS["slogate"][1:])
         print(compare(json.loads(a.profile.read_text()), json.loads(a.real.read_text()), a.replicas, a.anchor))
 
 

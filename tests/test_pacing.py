@@ -89,14 +89,15 @@ def test_a_stream_without_an_slo_goes_out_as_fast_as_the_engine_makes_it() -> No
 
 
 def test_the_replica_slot_is_free_once_the_engine_has_sent_its_last_token() -> None:
-    """A reserve large enough to hold the stream well behind the engine: the gateway must give
-    the replica's slot back when the engine ends (~0.5 s), while the client is still reading."""
+    """A reserve large enough to hold the stream well behind the engine (and the held tokens kept
+    smooth past the engine's end, `flush_at_end: false`): the gateway must give the replica's
+    slot back when the engine ends (~0.5 s), while the client is still reading."""
     with ExitStack() as st:
         # The engine in its own process: in this one, its writes and the gateway's reads would
         # contend for the GIL with the client and the poller and arrive batched, which the
         # pacer takes for a faster engine (and holds less).
         eng = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "10", "--fixed-itl-ms", "5"))
-        gw = _gateway(st, eng.url, pacing={"reserve_tbts": 100, "build": 1.0})
+        gw = _gateway(st, eng.url, pacing={"reserve_tbts": 100, "build": 1.0, "flush_at_end": False})
 
         async def main() -> tuple[list[tuple[float, int]], list[float]]:
             polls: list[tuple[float, int]] = []

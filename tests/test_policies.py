@@ -105,7 +105,8 @@ def test_gmax_preempts_a_hopeless_running_request_only_when_the_gain_beats_the_s
     rep.first_token(running, 0.5)
     running.generated = 10
     waiting = req(1, arrival=5.0, inp=2000, bound=50)
-    g = GMAX()
+    assert GMAX().select(5.0, [waiting], 0, [rep]).preempt == []  # off by default: it cost goodput, measured
+    g = GMAX(preempt=True)
     sel = g.select(5.0, [waiting], 0, [rep])
     assert sel.preempt == [running]
     # a healthy running request with similar priority is left alone
@@ -113,7 +114,7 @@ def test_gmax_preempts_a_hopeless_running_request_only_when_the_gain_beats_the_s
     ok = req(8, arrival=0.0, inp=2000, bound=50)
     rep2.claim(ok, 0.0)
     rep2.first_token(ok, 0.1)
-    assert GMAX().select(5.0, [req(1, arrival=5.0, inp=2000, bound=50)], 0, [rep2]).preempt == []
+    assert GMAX(preempt=True).select(5.0, [req(1, arrival=5.0, inp=2000, bound=50)], 0, [rep2]).preempt == []
 
 
 def test_gmax_preempts_a_latency_stream_only_while_it_is_ahead_of_its_timeline():

@@ -222,8 +222,9 @@ class PacingConfig(_Strict):
     enabled: bool = Field(True, description="Hold a few tokens of latency streams back to hide engine stalls from the client.")
     ceiling: float = Field(0.8, gt=0, le=1, description="Never hold a token past its TBT timeline at this fraction of the TBT "
                            "(mean TPOT ≤ max(the engine's, ceiling × TBT)).")
-    reserve_tbts: float = Field(4.0, ge=0, le=100, description="Hold no token longer than this many TBTs (the stall reserve; "
-                                "the answer ends at most this much after the engine's last token).")
+    reserve_tbts: float = Field(4.0, ge=0, le=100, description="Hold no token longer than this many TBTs (the stall reserve).")
+    flush_at_end: bool = Field(True, description="When the engine's stream ends, send what is held at once: the answer ends when the "
+                               "engine's does (off: the last tokens stay smooth and the answer ends up to the reserve later).")
     build: float = Field(0.25, ge=0, le=1, description="While the reserve grows, release at most this much slower than the engine makes tokens.")
     default_slo: bool = Field(False, description="Pace streams whose TBT is only `slo.default` too (off: a client that sends no SLO "
                               "gets tokens as fast as the engine makes them).")

@@ -425,4 +425,4 @@ class Gateway:
             return None
         if res.sources.get("tbt_ms", "default") == "default" and not pc.default_slo:
             return None
-        return Pacer(req.slo.tbt_s, ceiling=pc.ceiling, reserve_tbts=pc.reserve_tbts, build=pc.build)
+        return Pacer(req.slo.tbt_s, ceiling=pc.ceiling, reserve_tbts=pc.reserve_tbts, build=pc.build, flush_at_end=pc.flush_at_end)

@@ -10,8 +10,9 @@ engine is silent. Token k (arriving at a_k, first token at t0) is released at
 
 - g is the engine's own per-token gap (a moving average that a stall does not inflate), so the
   client gets tokens at the engine's pace, at most `build` slower while the reserve grows;
-- no token is held longer than `reserve` (a few TBTs): the answer ends at most that much after
-  the engine's last token, and a stall shorter than the reserve held is invisible;
+- no token is held longer than `reserve` (a few TBTs), and a stall shorter than the reserve
+  held is invisible; when the engine's stream ends, what is held goes out at once (nothing is
+  left to hide), so the answer ends when the engine's does;
 - no token is held past the timeline `t0 + k·ceiling·TBT` (ceiling < 1): a paced stream's mean
   TPOT is at most max(the engine's, ceiling·TBT), and token k is never later than the engine
   made it or than its TBT timeline — so pacing costs no SLO, by either rule, that the unpaced
@@ -43,8 +44,9 @@ T = TypeVar("T")
 
 class Pacer:
     def __init__(self, tbt_s: float, ceiling: float = 0.8, reserve_tbts: float = 4.0, build: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, flush_at_end: bool = True) -> None:
         self.tbt = tbt_s
+        self.flush_at_end = flush_at_end  # what is held goes out at once when the engine's stream ends
         self.step = ceiling * tbt_s  # the slowest release pace, on the stream's own timeline
         self.reserve = reserve_tbts * tbt_s
         self.build = build
@@ -99,12 +101,22 @@ class Pacer:
         return max(0.0, self.t0 + self.arrived * self.tbt - now)
 
 
+def _release(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
 async def paced(events: AsyncIterator[tuple[T, int, float]], pacer: Pacer, max_buffered: int = 4096,
                 on_end: Callable[[bool], None] | None = None) -> AsyncIterator[T]:
     """Re-time (item, tokens, arrival) triples on the pacer's schedule; reading goes on in a
     task so held tokens never slow the upstream read. `on_end(ok)` runs when the upstream ends
-    (ok: normally), before the held tokens have all gone out; not when the consumer is cancelled."""
+    (ok: normally); not when the consumer is cancelled. Once the upstream has ended there is no
+    stall left to hide: whatever is still held goes out at once, so the answer ends when the
+    engine's does (a paced stream's total time, hence its mean TPOT, is the unpaced one's)."""
     q: asyncio.Queue[tuple[T, float] | BaseException | None] = asyncio.Queue(max_buffered)
+    loop = asyncio.get_running_loop()
+    ended = False
+    wake: asyncio.Future[None] | None = None  # the consumer's current hold, cut short by the end
 
     async def reader() -> None:
         try:
@@ -120,10 +132,14 @@ async def paced(events: AsyncIterator[tuple[T, int, float]], pacer: Pacer, max_b
         await q.put(None)
 
     def _end(ok: bool) -> None:
+        nonlocal ended
+        if pacer.flush_at_end:
+            ended = True
+            _release(wake)
         if on_end is not None:
             on_end(ok)
 
-    task = asyncio.get_running_loop().create_task(reader())
+    task = loop.create_task(reader())
     try:
         while True:
             item = await q.get()
@@ -133,8 +149,14 @@ async def paced(events: AsyncIterator[tuple[T, int, float]], pacer: Pacer, max_b
                 raise item
             ev, at = item
             wait = at - pacer.clock()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            if wait > 0 and not ended:
+                wake = loop.create_future()
+                timer = loop.call_later(wait, _release, wake)
+                try:
+                    await wake
+                finally:
+                    timer.cancel()
+                    wake = None
             yield ev
     finally:
         task.cancel()

