@@ -358,7 +358,8 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tpot_p50": pct(tpots, 0.5), "tpot_p90": pct(tpots, 0.9),
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
             "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1), **rt.batches(),
-            "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None, "shed": shed,
+            "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None,
+            "budget_per_second": budgets, "shed": shed,  # where a run's budget settles, and when (the knee's wrong refusals)
             "preempted": preempted,
             "outcomes": outcomes}
 
