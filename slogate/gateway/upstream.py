@@ -250,6 +250,11 @@ class Upstream:
             events = sp.feed(chunk) if chunk else sp.rest()
             now = time.monotonic()
             for ev in events:
+                if isinstance(content.exception(), Preempted):
+                    # Preempted while this read's events go out one by one: the rest of them are
+                    # made again by the continuation, so none is counted or sent twice (otherwise a
+                    # stream preempted before its last token and resumed after it asks for one more).
+                    raise Preempted()
                 info = inspect(ev)
                 if info.usage_out is not None:
                     if offset:
