@@ -87,3 +87,48 @@ def test_preempted_streams_continue_with_exactly_their_answer_over_a_thousand_pr
     assert preempted == asked >= 1000, (preempted, asked)
     assert recompute > preempted * N_TOKENS / 10  # each resume re-prefills the prompt and the text so far
     assert gaps >= preempted * 0.9  # nearly every preemption shows as a gap (a stream preempted twice before its next token: one)
+
+
+def test_a_stream_cut_after_a_chunk_of_merged_steps_continues_from_its_last_whole_character() -> None:
+    """A busy vLLM merges steps into one chunk, and the last token of such a chunk may be part of
+    a character, its text held back: continuing from prompt ids that end with it makes vLLM send
+    its whole prompt back as answer text (a CI run on real vLLM caught it). The simulated engine
+    does both every 5 tokens (`hold_every`) and answers such a continuation with "ECHO "; every
+    stream is cut right after each merged chunk, and must come out exactly as one replica gives it."""
+    from slogate.sim.server import create_engine_app
+
+    n_tokens, streams = 60, 6
+    with ExitStack() as st:
+        engine = st.enter_context(ServerThread(create_engine_app(MODEL, fixed_ttft_ms=10, fixed_itl_ms=10, hold_every=5)))
+        cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "name": "e0", "models": [MODEL], "budget": 16}],
+                                            "health_interval_s": 0.5, "capacity": {"learn": False}, "policies": {"params": {"preempt": False}}})
+        app = create_app(cfg)
+        gw = st.enter_context(ServerThread(app))
+        while MODEL not in app.state.gateway.groups:
+            time.sleep(0.05)
+        adm = app.state.gateway.groups[MODEL]
+        adm.max_preemptions = 10**6
+        tokens, asked, seen = adm.tokens, 0, set()
+
+        def tokens_then_preempt(t: Any, n_new: int, now: float) -> float | None:
+            nonlocal asked
+            gap = tokens(t, n_new, now)
+            g = t.req.generated
+            if t.preempt is not None and g % 5 == 0 and (t.req.rid, g) not in seen:  # right after a merged chunk
+                seen.add((t.req.rid, g))
+                asked += adm.preempt(t.req)
+            return gap
+
+        adm.tokens = tokens_then_preempt
+        out: dict[int, Any] = {}
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, numbered_answer(gw.url, "cut me", n_tokens, chat=i % 2 == 0)))
+                   for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    want = expected(n_tokens)
+    assert asked >= streams * 10, asked
+    wrong = {i: diverges(r[0], want) for i, r in out.items() if r[0] != want}
+    assert len(out) == streams and not wrong, wrong
+    assert all(r[1].completion_tokens == n_tokens for r in out.values()), [r[1] for r in out.values()]

@@ -21,13 +21,15 @@ class AnswerText:
     """An answer's text so far, joined every 256 pieces: a string object per token would cost
     ~57 bytes each for as long as the stream lasts (io.StringIO keeps them too, up to 100,000)."""
 
-    __slots__ = ("blocks", "tail")
+    __slots__ = ("blocks", "n", "tail")
 
     def __init__(self) -> None:
         self.blocks: list[str] = []
         self.tail: list[str] = []
+        self.n = 0  # characters so far
 
     def write(self, s: str) -> None:
+        self.n += len(s)
         self.tail.append(s)
         if len(self.tail) >= 256:
             self.blocks.append("".join(self.tail))
@@ -64,6 +66,8 @@ class Exchange:
     ids: MutableSequence[int] | None = None  # the answer's token ids so far (None: not tracked)
     prompt_ids: list[int] | None = None  # the templated prompt's ids, from the first attempt
     ids_whole: int = 0  # how many of `ids` the client has the text of (none held back as part of a character)
+    text_whole: int = 0  # the characters of the answer those `ids_whole` ids make
+    again: str = ""  # text the client has that a continuation makes again: not sent twice
     head: tuple[str, int] | None = None  # the first attempt's chunk id and `created`, kept on a continuation
     hide_ids: bool = False  # the gateway asked for the ids, the client did not: they go out as null
     upstream_kind: str | None = None  # the endpoint the open attempt uses, when not `kind` (chat continued as a completion)

@@ -51,9 +51,10 @@ def ids_body(body: dict[str, Any], ex: Exchange, max_len: int | None, keep: int 
     return out
 
 
-def continued(event: bytes, ex: Exchange) -> bytes:
+def continued(event: bytes, ex: Exchange, drop: int = 0) -> bytes:
     """A chunk of the continuation as the client's stream goes on: the first attempt's chunk id
-    and `created`, and for a chat answer the completion's text as a chat content delta."""
+    and `created`, for a chat answer the completion's text as a chat content delta, without its
+    first `drop` characters (text the client already has)."""
     try:
         d = orjson.loads(event[event.index(b"data:") + 5:])
     except (ValueError, orjson.JSONDecodeError):
@@ -61,6 +62,10 @@ def continued(event: bytes, ex: Exchange) -> bytes:
     if not isinstance(d, dict) or d.get("object") != "text_completion":
         return event  # an error event goes out as it is
     cid, created = ex.head or (d.get("id"), d.get("created"))
+    if drop:
+        for c in d.get("choices") or []:
+            if isinstance(c.get("text"), str):
+                c["text"] = c["text"][drop:]
     if ex.kind != "chat":
         d["id"], d["created"] = cid, created
         return b"data: " + orjson.dumps(d) + b"\n\n"

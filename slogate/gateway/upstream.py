@@ -103,15 +103,18 @@ class Upstream:
                 ex.ids, ex.hide_ids = array("l"), not body.get("return_token_ids")  # 8 bytes a token, not ~36
             body["return_token_ids"] = True
             if ex.resumed and by_ids(ex, ex.resumed):
-                # From the last token whose text reached the client: a prompt that ends inside a
-                # character makes vLLM's detokenizer hold its whole prompt back and send it as
-                # answer text (measured). The tokens after it are made again, their text with them.
+                # From the last token known to end a character: a prompt that ends inside one
+                # makes vLLM's detokenizer hold its whole prompt back and send it as answer text
+                # (measured). The tokens after it are made again: the text of theirs the client
+                # already has (a chunk of several ids, whose last may have been held back) is
+                # dropped from the continuation, not sent twice.
                 keep = ex.ids_whole
                 cont = ids_body(body, ex, b.max_len, keep)
                 if cont is not None:
                     assert ex.ids is not None
                     del ex.ids[keep:]
                     ex.resumed, ex.upstream_kind = keep, "completions"
+                    ex.again = ex.text.getvalue()[ex.text_whole:]
                     return cont
         if ex.resumed and ex.text is not None:
             # The answer so far goes back as the start of the answer (vLLM's and SGLang's
@@ -256,6 +259,11 @@ class Upstream:
                     # stream preempted before its last token and resumed after it asks for one more).
                     raise Preempted()
                 info = inspect(ev)
+                drop, whole = 0, bool(info.text)
+                if ex.again and info.text:
+                    # What the continuation makes again of text the client has (see `body`).
+                    drop = min(len(ex.again), len(info.text))
+                    ex.again, info.text = ex.again[drop:], info.text[drop:]
                 if info.usage_out is not None:
                     if offset:
                         info.usage_out += offset
@@ -263,8 +271,10 @@ class Upstream:
                         ev = _with_usage(ev, info)  # the client sees one answer's counts
                     elif info.usage_in:
                         ex.prompt_tokens = info.usage_in
-                if info.usage_out is not None and not info.usage_only and info.usage_out > t.req.generated:
-                    info.tokens = info.usage_out - t.req.generated  # several tokens in one chunk (see `body`)
+                if info.usage_out is not None and not info.usage_only:
+                    # Several tokens in one chunk (see `body`), or none new: a continuation making
+                    # again the tokens after its last whole character.
+                    info.tokens = max(info.usage_out - t.req.generated, 0)
                 if ex.text is not None and (info.tokens or info.text):
                     # (text without new tokens: what a continuation makes again of a character
                     # the engine had held back; see `body`)
@@ -296,10 +306,13 @@ class Upstream:
                         ex.prompt_ids, ex.head = info.prompt_ids, info.head
                     if info.ids:
                         ids.extend(info.ids)
-                        if info.text:
-                            ex.ids_whole = len(ids)  # nothing held back: a continuation may start here
+                        if whole and len(info.ids) == 1 and ex.text is not None:
+                            # One token whose step made text: nothing held back, a continuation
+                            # may start here. (A chunk of several, merged by a busy engine, may
+                            # end in a token held back as part of a character: not known.)
+                            ex.ids_whole, ex.text_whole = len(ids), ex.text.n
                     if cont:
-                        ev = continued(ev, ex)
+                        ev = continued(ev, ex, drop)
                     if ex.hide_ids and (info.ids is not None or info.prompt_ids is not None):
                         ev = hide_ids(ev)
                     info.ids = info.prompt_ids = None  # kept in `ex`; the event may wait in a slow client's buffer

@@ -103,9 +103,14 @@ def _continued_tokens(body: dict[str, Any], chat: bool) -> int:
 
 
 def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0,
-                      fixed_kw: dict[str, Any] | None = None, **engine_kw: Any) -> FastAPI:
+                      fixed_kw: dict[str, Any] | None = None, hold_every: int = 0, **engine_kw: Any) -> FastAPI:
     """`fixed_ttft_ms` set: a fixed-latency engine (FixedLatencyEngine, `fixed_kw`: its jitter
-    and stalls) instead of the batch model."""
+    and stalls) instead of the batch model. `hold_every` k > 1: streamed with token ids, token
+    tokN with N % k == k − 1 is part of a character as vLLM's detokenizer sees it: its text is
+    held back and goes out with the next token's, and it shares a chunk with the token before it
+    (a busy engine merging two steps); a continuation whose prompt ids end with it gets vLLM's
+    answer to a prompt ending inside a character: the whole prompt back as answer text (here
+    "ECHO ")."""
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
@@ -244,14 +249,32 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
             if chat:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                             "prompt_token_ids": p_ids})
+            hold = hold_every if ids and hold_every > 1 else 0
+            echo = "ECHO " if hold and p_ids and p_ids[-1] >= ANSWER_ID and (p_ids[-1] - ANSWER_ID) % hold == hold - 1 else ""
+            held, out = "", []  # text held back; ids not yet sent
             async for _ in toks:
-                c = piece(f"tok{first + n} ", None)
-                if ids:
-                    c["token_ids"] = [ANSWER_ID + first + n]
-                    if not chat and n == 0:
-                        c["prompt_token_ids"] = p_ids
-                yield _sse({**base, "choices": [c], **({"usage": _usage(n_in, n + 1)} if continuous else {})})
+                k = first + n
                 n += 1
+                out.append(k)
+                if hold and k % hold == hold - 2:
+                    continue  # merged into the next step's chunk
+                if hold and k % hold == hold - 1:  # part of a character: its text waits for the next token's
+                    text, held = "".join(f"tok{j} " for j in out[:-1]), f"tok{k} "
+                else:
+                    text, held, echo = echo + held + "".join(f"tok{j} " for j in out), "", ""
+                c = piece(text, None)
+                if ids:
+                    c["token_ids"], out = [ANSWER_ID + j for j in out], []
+                    if not chat and n == len(c["token_ids"]):
+                        c["prompt_token_ids"] = p_ids
+                else:
+                    out = []
+                yield _sse({**base, "choices": [c], **({"usage": _usage(n_in, n)} if continuous else {})})
+            if held or out:  # the answer ended on a held or merged token
+                c = piece(held + "".join(f"tok{j} " for j in out), None)
+                if ids and out:
+                    c["token_ids"] = [ANSWER_ID + j for j in out]
+                yield _sse({**base, "choices": [c], **({"usage": _usage(n_in, n)} if continuous else {})})
             yield _sse({**base, "choices": [piece(None, finish)]})
             if include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(n_in, n)})
