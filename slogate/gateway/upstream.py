@@ -96,7 +96,7 @@ class Upstream:
                 # tokens, and the gaps the capacity learner measures must be per token.
                 so["continuous_usage_stats"] = True
             body["stream_options"] = so
-        ex.upstream_kind = None
+        ex.upstream_kind, ex.again = None, ""  # per attempt: only a continuation by ids makes text again
         if ex.text is not None and b.cfg.kind == "vllm":
             # Its token ids too: a continuation from them is exact (gateway/resume.py).
             if ex.ids is None:
