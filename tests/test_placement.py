@@ -112,3 +112,19 @@ def test_a_combination_names_the_placement_parameters_too():
     assert Scheduler.from_combo("gmax?lead_factor=0+gorouting").placement.balance == "overlap"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="balance"):
         Scheduler.from_combo("gmax+gorouting?balance=sideways")
+
+
+def test_an_idle_replica_does_not_finish_a_new_prompt_at_once():
+    """Lag compensation runs down the prefill already queued, never the new request's: a replica
+    idle since t=0 still needs a 60k-token prompt's whole prefill (~11 s) at t=100, so a 2 s TTFT
+    does not fit there, while a 2k-token prompt does. (It once did: the time since the queue last
+    changed was taken off the new prefill too, and an idle replica looked able to take any prompt.)"""
+    gr = GoRouting()
+    p = view(0)
+    p.ts_prefill = 0.0
+    long, short = (req(k, arrival=100.0, inp=n, slo=SLO.latency(2.0, 0.1)) for k, n in ((1, 60000), (2, 2000)))
+    assert p.prefill_cost(long) > 2.0
+    pre, post = gr.gains(100.0, p, long)
+    assert post - pre == 0
+    pre, post = gr.gains(100.0, p, short)
+    assert post - pre > 0

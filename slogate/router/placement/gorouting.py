@@ -44,20 +44,23 @@ class GoRouting(PlacementPolicy):
     def _value(self, r: Request) -> float:
         return r.tier.weight * (self.w_p + self.w_d * r.remaining_bound)
 
-    def _done_in(self, now: float, p: ReplicaView, work: float, min_remain: float) -> float:
+    def _done_in(self, now: float, p: ReplicaView, work: float, min_remain: float, new: float = 0.0) -> float:
         """φ_a: the whole prefill queue is assumed done after its total exec (eq. 8), with
         t_budget = the smallest remaining time in the queue capped by a TPOT SLO (100 ms)
-        and floored at 2·t_c; lag-compensated, plus the decode load n_d·b_d."""
+        and floored at 2·t_c, plus the decode load n_d·b_d. Lag compensation (time since the
+        queue last changed) runs down only the `work` already queued: a `new` prefill has not
+        started (compensating it too had an idle replica finish any prompt at once)."""
         m = p.model
         t_budget = max(min(min_remain, 0.1), 2 * m.t_c)
-        phi_a = t_budget / (t_budget - m.t_c) * work
-        return max(phi_a - (now - p.ts_prefill), 0.0) + p.n_decode * m.b_d
+        left = max(work - (now - p.ts_prefill), 0.0) if work else 0.0
+        return t_budget / (t_budget - m.t_c) * (left + new) + p.n_decode * m.b_d
 
-    def _fitting_value(self, now: float, p: ReplicaView, work: float, budgets: list[float], values: list[float]) -> float:
-        """ESTIMATEGAIN core: Σ value of queued requests whose budget covers φ_a(work)."""
+    def _fitting_value(self, now: float, p: ReplicaView, work: float, budgets: list[float], values: list[float],
+                       new: float = 0.0) -> float:
+        """ESTIMATEGAIN core: Σ value of queued requests whose budget covers φ_a(work + new)."""
         if not budgets:
             return 0.0
-        done = self._done_in(now, p, work, min(budgets))
+        done = self._done_in(now, p, work, min(budgets), new)
         return sum(val for val, b in zip(values, budgets, strict=True) if done <= b)
 
     def gains(self, now: float, p: ReplicaView, req: Request, cached: int | None = None) -> tuple[float, float]:
@@ -70,8 +73,8 @@ class GoRouting(PlacementPolicy):
         values = [self._value(r) for r in queue]
         work = p.model.beta_p * p.prefill_raw
         pre = self._fitting_value(now, p, work, budgets, values)
-        post_work = work + p.prefill_cost(req, cached)
-        post = self._fitting_value(now, p, post_work, [*budgets, first_token_budget(req, now, v)], [*values, self._value(req)])
+        post = self._fitting_value(now, p, work, [*budgets, first_token_budget(req, now, v)], [*values, self._value(req)],
+                                   p.prefill_cost(req, cached))
         return pre, post
 
     def estimate_gain(self, now: float, p: ReplicaView, queue: list[Request]) -> float:
