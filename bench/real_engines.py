@@ -368,19 +368,23 @@ GUIDELLM_SLO = {"ttft_ms": TTFT_S * 1000, "tpot_ms": TBT_S * 1000}
 
 
 def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp: Path, guidellm: str, tokenizer: Path,
-                 lengths: tuple[int, int] = (450, 215)) -> dict:
+                 lengths: tuple[int, int] = (450, 215), seed: int = 42) -> dict:
     """guidellm as the client, sending no SLO field at all (its requests are what any OpenAI
-    client sends): Poisson arrivals, synthetic prompts of the trace's mean lengths, judged by
-    guidellm's own SLO rule (TTFT ≤ 1 s, inter-token latency ≤ 50 ms)."""
+    client sends): Poisson arrivals (the same per repeat for every system), synthetic prompts of
+    the trace's mean lengths, judged by guidellm's own SLO rule (TTFT ≤ 1 s, inter-token latency
+    ≤ 50 ms). One guidellm worker process: guidellm 0.8.1 starts 10 by default and, measured
+    against its own mock server, then sent poisson@2 at 22.7 req/s (681 requests in 30 s); with
+    one worker it sent 1.97 req/s."""
     out = tmp / "guidellm-{}-{:g}.json".format(system.replace("/", "_"), rate)
     out.unlink(missing_ok=True)
     with routed(system, urls, tmp) as rt:
-        cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={rt.url},model=tiny", "--profile", f"kind=poisson,rate={rate:g}",
+        cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={rt.url},model=tiny", "--profile", f"kind=poisson,rate={rate:g}", "--seed", f"kind=static,value={seed}",
                "--constraint", f"kind=max_duration,seconds={duration:g}",
                "--data", f"kind=synthetic_text,prompt_tokens={lengths[0]},output_tokens={lengths[1]}",
                "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out}",
                "--metrics", json.dumps({"kind": "generative", "slo": GUIDELLM_SLO}), "--disable-console"]
-        r = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=duration * 3 + 120)
+        r = subprocess.run(cmd, env={**os.environ, **OFFLINE, "GUIDELLM__MAX_WORKER_PROCESSES": "1"}, capture_output=True, text=True,
+                           timeout=duration * 3 + 120)
         rt.done()
         if r.returncode != 0 or not out.exists():
             raise RuntimeError(f"guidellm failed ({r.returncode}): {r.stderr[-2000:]}")
@@ -583,7 +587,7 @@ def main() -> None:
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]  # rotate: no system always goes first
                 for system in order:
                     if a.client == "guidellm":
-                        row = guidellm_one(system, urls, rate, a.duration, tmp, a.guidellm, model)
+                        row = guidellm_one(system, urls, rate, a.duration, tmp, a.guidellm, model, seed=42 + rep)
                     elif a.client == "vllm-bench":
                         row = vllm_bench_one(system, urls, rate, a.duration, tmp, a.vllm_python, model, seed=rep)
                     else:
