@@ -38,6 +38,16 @@ def test_proserve_over_balancing_example():
     assert gr.estimate_gain(0.0, b2, [*b2.prefill_queue.values(), r2]) <= gr.estimate_gain(0.0, b2, list(b2.prefill_queue.values()))
 
 
+def test_gorouting_without_packing_balances_where_the_paper_packs():
+    """`pack: false`: past the light replicas, the lightest replica that is not heavy, where
+    the paper's rule (the default) takes the busiest; both still meet R1's first token."""
+    r1 = req(1, inp=1000, slo=SLO.latency(2.0, 0.1))
+    a, b = _loaded(0, [5000, 5000]), _loaded(1, [2500])
+    assert GoRouting().place(0.0, r1, [a, b]) is a
+    a, b = _loaded(0, [5000, 5000]), _loaded(1, [2500])
+    assert GoRouting(pack=False).place(0.0, r1, [a, b]) is b
+
+
 def test_gorouting_prefers_the_most_idle_light_replica():
     light, busy = view(0), _loaded(1, [5000])
     assert GoRouting().place(0.0, req(1, inp=500, slo=SLO.latency(2.0, 0.1)), [busy, light]) is light

@@ -167,6 +167,25 @@ def test_gmax_yield_slack_pauses_best_effort_for_urgent_work_and_gives_it_the_sl
     assert GMAX(yield_slack=True).select(5.0, [urgent], 0, [rep]).preempt == []
 
 
+def test_gmax_yield_slack_pauses_a_deadline_answer_only_while_it_keeps_its_deadline():
+    """A long deadline answer due far ahead yields to a request that must start now, as a
+    best-effort one does; one whose deadline would not survive the waiting request's run does not."""
+
+    def full(deadline_s: float) -> tuple:
+        rep = view(budget=1)
+        long = req(9, arrival=0.0, inp=200, slo=SLO.deadline(deadline_s), bound=1500)
+        rep.claim(long, 0.0)
+        rep.first_token(long, 0.2)
+        long.generated = 100
+        return rep, long
+
+    urgent = req(1, arrival=4.9, inp=200, slo=SLO.deadline(2.0), bound=50)
+    rep, long = full(600.0)
+    assert GMAX(yield_slack=True).select(5.0, [urgent], 0, [rep]).preempt == [long]
+    rep, _ = full(22.3)  # its 1,400 tokens left end by 21.9 s at its bound, by 22.8 s after the pause: no time to lend
+    assert GMAX(yield_slack=True).select(5.0, [urgent], 0, [rep]).preempt == []
+
+
 def test_gmax_adapts_cutoff_toward_the_arm_with_more_goodput():
     g = GMAX(frame_s=1.0, explore=0.0)
     good_arm = g.cutoffs.index(0.7)

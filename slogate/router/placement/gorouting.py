@@ -35,10 +35,12 @@ class GoRouting(PlacementPolicy):
     name = "gorouting"
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
-                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap", seed: int = 0) -> None:
+                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap", pack: bool = True,
+                 seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
         self.balance = balance  # the lightest of the light replicas by `overlap`, or the paper's n_d·b_d
+        self.pack = pack  # past the light ones: the busiest that is not heavy (the paper), else the lightest
         self.wait_for_cache = wait_for_cache  # share of the prompt a full holder must hold more than any free replica (0: never wait)
 
     def _value(self, r: Request) -> float:
@@ -103,6 +105,8 @@ class GoRouting(PlacementPolicy):
         cands = [p for p, c in near if c == best_hit]
         slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
         light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
+        if not self.pack:
+            light = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if light:
             # The lightest by the batch `req` would decode in over its life: streams about to end
             # count for little (a count of streams sent a request beside younger ones, and the

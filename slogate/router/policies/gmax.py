@@ -21,8 +21,8 @@ candidate only while it is ahead of its token timeline by `lead_factor` × the e
 and a waiting request must start within `urgency_s`; then it loses nothing by the pause and
 yields before any other. Off by default (`lead_factor` 0): in simulation the recompute cost
 more than the pauses gained (docs/benchmarks.md, "Slack-aware preemption"). `yield_slack` does
-the same for best-effort answers that still end by their deadline after the waiting request's
-whole run (off by default, for the same reason on trace mixes). Whoever a preemption freed a
+the same for deadline, compound and best-effort answers that still end by their deadline (at
+their length bound) after the waiting request's whole run (off by default, for the same reason on trace mixes). Whoever a preemption freed a
 slot for gets that slot first.
 Requests whose SLO can no longer earn anything are shed (the gateway answers 429).
 """
@@ -298,7 +298,7 @@ class GMAX(OrderingPolicy):
                 # deadline at its bound. JITServe's just-in-time idea: it needs less than a slot now.
                 _, _, r_tgen, _, _ = self.estimate(now, running, [p])
                 for k, r in enumerate(running):
-                    if r.slo.kind is SLOClass.BEST_EFFORT:
+                    if r.slo.kind is not SLOClass.LATENCY:  # deadline and compound answers with slack yield too
                         stall = p.model.prefill_time(r.context_tokens) + p.model.t_c + self.frame_s
                         ahead[k] = now + t_gen[w] + stall + r_tgen[k] <= r.deadline_at
             # Pausing a stream that loses nothing by it pays only when the waiting one cannot
