@@ -16,9 +16,11 @@ _ns = itertools.count()
 
 @pytest.fixture(params=["memory", "redis"])
 def store(request, redis_url):
-    """The store, made inside each test's event loop (a redis client belongs to one loop)."""
+    """The store, made inside each test's event loop (a redis client belongs to one loop). A
+    generous timeout: these tests are about the contract, and 50 connections opened at once on a
+    loaded 2-core CI box took longer than the gateway's 0.25 s default to connect."""
     prefix = f"t{next(_ns)}"
-    return MemoryStore if request.param == "memory" else (lambda: RedisStore(redis_url, prefix=prefix))
+    return MemoryStore if request.param == "memory" else (lambda: RedisStore(redis_url, prefix=prefix, timeout_s=5.0))
 
 
 def e(i: int, owner: str = "gw1") -> Entry:
