@@ -36,7 +36,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slogate.testing.fleet import MODEL
-from slogate.testing.loadgen import stream_once
+from slogate.testing.loadgen import StreamResult, stream_once
 from slogate.testing.ports import free_port
 from slogate.testing.procs import slogate, stop, wait_http
 from slogate.testing.prom import metric
@@ -79,18 +79,26 @@ async def replay(url: str, arr: list[tuple[float, str]], a: argparse.Namespace) 
             r.tokens = r.usage_out if r.usage_out is not None else r.tokens
             limit = a.dl_deadline_s if kind == "deadline" else a.be_deadline_s or float("inf")
             ok = r.complete and r.tokens == n and r.ended - r.started <= limit
-            if kind == "best_effort" and a.be_tbt_ms:  # judged as guidellm / vllm bench serve do: TTFT and mean TPOT
-                first = r.first_token or r.ended
-                ok = r.complete and r.tokens == n and first - r.started <= 2.0 and (r.ended - first) / max(n - 1, 1) <= a.be_tbt_ms / 1000
-            if kind == "latency":  # the same rule
-                first = r.first_token or r.ended
-                ok = (r.complete and r.tokens == n and first - r.started <= a.lat_ttft_ms / 1000
-                      and (r.ended - first) / max(n - 1, 1) <= a.lat_tbt_ms / 1000)
+            if kind == "best_effort" and a.be_tbt_ms:
+                ok = r.complete and r.tokens == n and paced(r, n, 2.0, a.be_tbt_ms / 1000)
+            if kind == "latency":
+                ok = r.complete and r.tokens == n and paced(r, n, a.lat_ttft_ms / 1000, a.lat_tbt_ms / 1000)
             return {"kind": kind, "tokens": r.tokens, "ok": ok, "status": r.status, "e2e": r.ended - r.started,
                     # the simulated engines number their tokens: a resumed answer must read tok0 … tok(n-1)
                     "intact": r.text == "".join(f"tok{i} " for i in range(r.tokens)) if a.model == MODEL else None}
 
         return await asyncio.gather(*(one(at, k) for at, k in arr))
+
+
+def paced(r: StreamResult, n: int, ttft_s: float, tbt_s: float) -> bool:
+    """Judged as guidellm and `vllm bench serve` judge a stream: TTFT and mean TPOT."""
+    first = r.first_token or r.ended
+    return first - r.started <= ttft_s and (r.ended - first) / max(n - 1, 1) <= tbt_s
+
+
+def attainment(res: list[dict], kind: str) -> float:
+    """The share of `kind`'s requests that met their SLO."""
+    return round(sum(r["ok"] for r in res if r["kind"] == kind) / max(sum(r["kind"] == kind for r in res), 1), 3)
 
 
 def tokens(kind: str, a: argparse.Namespace) -> int:
@@ -226,10 +234,7 @@ def main() -> None:
                     good = sum(r["tokens"] for r in res if r["ok"]) / a.duration
                     row = {"scale": scale, "repeat": rep, "system": system, "sent": len(res),
                            "goodput": round(good, 1), "attainment": round(sum(r["ok"] for r in res) / max(len(res), 1), 3),
-                           "deadline_attainment": round(sum(r["ok"] for r in res if r["kind"] == "deadline")
-                                                        / max(sum(r["kind"] == "deadline" for r in res), 1), 3),
-                           "latency_attainment": round(sum(r["ok"] for r in res if r["kind"] == "latency")
-                                                       / max(sum(r["kind"] == "latency" for r in res), 1), 3),
+                           "deadline_attainment": attainment(res, "deadline"), "latency_attainment": attainment(res, "latency"),
                            "best_effort_done": sum(r["ok"] for r in res if r["kind"] == "best_effort"),
                            "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
                            "not_intact": sum(r["intact"] is False for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3)}

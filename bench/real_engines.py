@@ -390,11 +390,11 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             rt.done()
             if r.returncode != 0 or not out.exists():
                 raise RuntimeError(f"guidellm failed ({r.returncode}): {r.stderr[-2000:]}")
-        if not guidellm_flooded(json.loads(out.read_text())["benchmarks"][0]):
+        b = json.loads(out.read_text())["benchmarks"][0]
+        if not (flooded := guidellm_flooded(b)):
             break
         reruns += 1
         print(f"guidellm flooded {system} at {rate:g} req/s (its Poisson schedule started at the epoch): run again", file=sys.stderr)
-    b = json.loads(out.read_text())["benchmarks"][0]
     reqs = {k: b["requests"].get(k) or [] for k in ("successful", "errored", "incomplete")}
     ok = reqs["successful"]
     conforming = [q for q in ok if q["time_to_first_token_ms"] is not None and q["time_to_first_token_ms"] <= GUIDELLM_SLO["ttft_ms"]
@@ -416,7 +416,7 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
             "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
             "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3), "guidellm_reruns": reruns,
-            "flooded": guidellm_flooded(b), **rt.batches()}
+            "flooded": flooded, **rt.batches()}
 
 
 def guidellm_flooded(b: dict) -> bool:

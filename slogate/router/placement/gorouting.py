@@ -104,8 +104,9 @@ class GoRouting(PlacementPolicy):
         best_hit = max(c for _, c in near)
         cands = [p for p, c in near if c == best_hit]
         slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
-        light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
-        if not self.pack:
+        if self.pack:
+            light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
+        else:  # every replica that is not heavy counts as light: balance, never pack
             light = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if light:
             # The lightest by the batch `req` would decode in over its life: streams about to end
