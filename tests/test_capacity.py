@@ -136,3 +136,20 @@ def test_a_line_through_a_negative_intercept_is_not_trusted() -> None:
             lr.observe(n, gap)
     assert lr._line() is None
     assert lr.update(10.0, 0.05, 8) >= 6
+
+
+def test_it_lends_what_the_measured_pace_can_take_and_nothing_at_its_goal() -> None:
+    # ITL = 5 ms + 2 ms per sequence: the budget aims at 42.5 ms (18), the target itself is 50 ms (22).
+    lr = CapacityLearner(cap=64, start=4)
+    drive(lr, lambda n: 0.005 + 0.002 * n, 60, 0.050, offered=12)  # held at 12: 29 ms, 13.5 ms below the goal
+    assert lr.fit is not None and lr.budget < 18
+    # 13.5 ms of room at 2 ms a stream: six more than the 12 held, as far as the goal (not the target's 22).
+    assert lr.budget + lr.overdraft in (17, 18, 19), (lr.budget, lr.overdraft)
+    drive(lr, lambda n: 0.005 + 0.002 * n + 0.03, 5, 0.050, offered=12)  # the engine slowed past the goal: nothing lent
+    assert lr.overdraft == 0
+    full = CapacityLearner(cap=64, start=4)
+    drive(full, lambda n: 0.005 + 0.002 * n, 60, 0.050)  # always full: held at its budget, at its goal
+    assert full.budget >= 16 and full.overdraft <= 1, (full.budget, full.overdraft)
+    off = CapacityLearner(cap=64, start=4, overdraft_on=False)
+    drive(off, lambda n: 0.005 + 0.002 * n, 60, 0.050, offered=12)
+    assert off.fit is not None and off.overdraft == 0

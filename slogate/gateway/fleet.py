@@ -103,7 +103,7 @@ class Fleet:
             # (same engines, same traffic), not at the cap: conservative until it shows its pace.
             peers = sorted(b.view.budget for b in self.active() if b.learner is not None and b.view.healthy)
             start = min(peers[len(peers) // 2], bc.budget) if peers and not checked else None
-            learner = CapacityLearner(bc.budget, start=start, margin=cfg.capacity.margin)
+            learner = CapacityLearner(bc.budget, start=start, margin=cfg.capacity.margin, overdraft_on=cfg.capacity.overdraft)
         view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
         view.healthy = checked
         if cfg.prefix.enabled:
@@ -286,10 +286,12 @@ class Fleet:
                     log.debug("budget %s: %d (holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s)",
                               b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace)
             budget = max(1, learned - ext)
+            overdraft = b.learner.overdraft if b.learner is not None else 0
             if b.kv_usage is not None and b.kv_usage >= KV_FULL:
-                budget = max(1, min(budget, v.inflight))
-            v.budget = budget
+                budget, overdraft = max(1, min(budget, v.inflight)), 0
+            v.budget, v.overdraft = budget, overdraft
             self.metrics.budget.labels(b.name).set(budget)
+            self.metrics.overdraft.labels(b.name).set(overdraft)
             self.metrics.external.labels(b.name).set(round(b.external, 2))
 
     def cut_waiting(self, b: Backend) -> None:

@@ -31,6 +31,8 @@ class Metrics:
         self.healthy = Gauge("slogate_replica_healthy", "1 if the replica passes health checks", ["backend"], registry=r)
         self.budget = Gauge("slogate_replica_budget", "Concurrency budget per replica: learned SLO-safe concurrency, capped by the "
                             "configured budget, less other clients' load", ["backend"], registry=r)
+        self.overdraft = Gauge("slogate_replica_overdraft", "Slots above the budget lent now to latency requests that would lose "
+                               "their first token waiting (while the replica runs faster than its aim)", ["backend"], registry=r)
         self.external = Gauge("slogate_replica_external_load", "Requests the engine reports beyond the gateways' own (vLLM /metrics)",
                               ["backend"], registry=r)
         self.pred_bounds = Counter("slogate_predictor_bounds_total", "First length bounds judged at completion", ["model"], registry=r)
@@ -63,7 +65,7 @@ class Metrics:
             self.reloads.labels(result)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
 
-    BY_BACKEND = ("retries", "inflight", "healthy", "budget", "external", "prompt_tokens", "prefix_cached", "resumes", "preemptions")
+    BY_BACKEND = ("retries", "inflight", "healthy", "budget", "overdraft", "external", "prompt_tokens", "prefix_cached", "resumes", "preemptions")
 
     def forget(self, backend: str) -> None:
         """A replica left: its series go (a scaled-down fleet leaves no stale gauges behind)."""

@@ -73,12 +73,15 @@ class StateSync:
             return True  # no per-request timeouts while the store is down; the sync loop probes it
         e = Entry(self.entry_id(t), self.instance, "prefill", t.req.input_tokens, t.req.len_bound, 0.0)
         view = self.fleet.by_rid[t.replica].view
+        # The local decision gave overdraft slots to first tokens only (scheduler.py): the store
+        # bounds every gateway's claims together by the same lent ceiling.
+        limit = view.budget + view.overdraft
         try:
-            return await self.store.claim(self.key(t.replica), e, view.budget, self.sc.lease_s)
+            return await self.store.claim(self.key(t.replica), e, limit, self.sc.lease_s)
         except StateUnavailable as err:
             # The decision was made before the store went away; re-judge it within the local share.
             self._degrade(err)
-            return view.inflight <= view.budget
+            return view.inflight <= limit
 
     def released(self, t: Ticket) -> None:
         if t.replica is None or not self.shared:

@@ -26,6 +26,15 @@ on evidence gathered since. (A first version fitted per-n means and backed off o
 the prefill stalls dominated both, every arrival read as overload, and the budget collapsed far
 below the knee while the replica could have served the queue on time.)
 
+The budget is a *sustained* concurrency: held there, every stream's pace sits at the margin.
+A stream's SLO is judged on its mean pace over its life, and its first token on a queue the
+budget makes: where the engine is fast right now (the smoothed pace below the margin's goal),
+a latency request that would otherwise lose its first token waiting for a slot may take one of
+`overdraft` extra slots: as many more streams as the measured pace can take at the line's cost
+per stream and stay below the goal, never past the n where the line meets the target itself.
+Measured on real vLLM at the knee: a fixed budget of 5 per replica queued Poisson bursts past
+a 1 s TTFT that an unlimited router met (docs/benchmarks.md, "Overdraft for first tokens").
+
 The configured budget stays an upper bound. Pure: time is an argument.
 """
 
@@ -59,6 +68,8 @@ class CapacityLearner:
     min_weight: float = 5.0  # observations before a bin counts in the fit
     smooth: float = 0.3  # weight of the newest second in the smoothed pace
     budget: int = 0
+    overdraft_on: bool = True  # lend slots above the budget to first tokens that cannot wait (see above)
+    overdraft: int = 0  # extra slots lent now: only with a line, and while the pace is below the goal
     bins: dict[int, _Bin] = field(default_factory=dict)
     recent: list[float] = field(default_factory=list)  # gaps since the last update (seconds per token)
     recent_n: list[int] = field(default_factory=list)
@@ -127,6 +138,7 @@ class CapacityLearner:
         self.last_update = now
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
         if target_s is None:
+            self.overdraft = 0
             if inflight >= self.budget:
                 self.budget = min(self.cap, self.budget + 1)
             return self.budget
@@ -176,7 +188,21 @@ class CapacityLearner:
             self._since_cut = 0
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
+        self.overdraft = self._overdraft(target_s, goal, inflight)
         return self.budget
+
+    def _overdraft(self, target_s: float, goal: float, inflight: int) -> int:
+        """Slots above the budget for first tokens that would be lost waiting: as many more streams
+        as the measured pace can take, at the line's cost per stream, and still stay below the
+        goal; never past where the line puts the pace at the target itself. At a full replica
+        running at its goal (overload) nothing is lent. Without a line there is no cost to lend by."""
+        if not self.overdraft_on or self.fit is None or self.pace is None or self.pace >= goal:
+            return 0
+        a, b = self.fit
+        slope = b + self.stall
+        ceiling = min(int((target_s - a) / slope) if target_s > a else 0, self.cap)
+        more = int((goal - self.pace) / slope)
+        return max(0, min(inflight + more, ceiling) - self.budget)
 
 
 def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0) -> int:

@@ -8,8 +8,12 @@ from dataclasses import dataclass, field
 from slogate.router.placement.base import PlacementPolicy
 from slogate.router.policies.base import OrderingPolicy
 from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
-from slogate.router.request import Request
+from slogate.router.request import Request, SLOClass
 from slogate.router.view import ReplicaView
+
+# A latency request whose first token is due within this much more than its prefill takes cannot
+# wait for a slot to free (a stream lasts seconds): it may take an overdraft slot.
+AT_RISK_S = 0.5
 
 
 @dataclass(slots=True)
@@ -38,6 +42,8 @@ class Scheduler:
         return f"{self.ordering.name}+{self.placement.name}"
 
     def schedule(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> Decisions:
+        """Dispatch into free slots by the ordering and placement; then first tokens that cannot
+        wait into the replicas' overdraft slots; then streams being read that were shed."""
         slots = sum(p.free for p in replicas if p.role != "decode")
         sel = self.ordering.select(now, waiting, slots, replicas)
         # A request that has streamed tokens (preempted, or resumed after its replica failed) is
@@ -65,10 +71,43 @@ class Scheduler:
                 break
             sel = self.ordering.select(now, rest, slots, replicas)
             late += [r for r, _ in sel.shed if r.generated and r not in late]
+        if any(p.overdraft for p in replicas):
+            gone = taken | {r.rid for r, _ in out.shed} | {r.rid for r in late}
+            out.dispatch += self.overdraw(now, [r for r in waiting if r.rid not in gone], replicas)
         for req in late:
             target = self.placement.place(now, req, replicas)
             if target is None:
                 break
             target.claim(req, now)
             out.dispatch.append((req, target.rid))
+        return out
+
+    def overdraw(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:
+        """Latency requests that would lose their first token waiting for a slot, placed (by the
+        same placement) on replicas with overdraft room where that first token is still in time,
+        most urgent first. What the budget's margin keeps for pace spread buys a first token
+        that is otherwise certainly lost; the learner lends it only while the replica is fast."""
+        def spare(r: Request) -> float:  # time to spare before its first token, on the quickest replica
+            return r.ttft_deadline - now - min(p.prefill_backlog(now) + p.prefill_cost(r) for p in pool)
+
+        pool = [p for p in replicas if p.room > 0 and p.role != "decode"]
+        if not pool:
+            return []
+        risky = [r for r in waiting if r.kind is SLOClass.LATENCY and not r.generated and r.slo.ttft_s is not None]
+        risky = sorted((s, r.rid, r) for r in risky if 0 <= (s := spare(r)) <= AT_RISK_S)
+        out: list[tuple[Request, int]] = []
+        for p in replicas:
+            p.budget += p.overdraft  # placement sees the lent slots as free for this pass only
+        try:
+            for _, _, req in risky:
+                target = self.placement.place(now, req, replicas)
+                if target is None or now + target.prefill_backlog(now) + target.prefill_cost(req) > req.ttft_deadline:
+                    continue  # late there too: lending a slot would slow the others for nothing
+                target.claim(req, now)
+                out.append((req, target.rid))
+                if not any(p.free for p in replicas):
+                    break
+        finally:
+            for p in replicas:
+                p.budget -= p.overdraft
         return out

@@ -20,6 +20,7 @@ class ReplicaView:
     rid: int
     model: BatchLatencyModel
     budget: int = 64  # max requests the gateway keeps in flight on this replica
+    overdraft: int = 0  # extra slots above it for first tokens that cannot wait (router/capacity.py)
     role: str = "both"  # "both" (co-located), "prefill" or "decode" (P/D disaggregated)
     healthy: bool = True
     prefill_queue: dict[int, Request] = field(default_factory=dict)
@@ -62,6 +63,11 @@ class ReplicaView:
     @property
     def free(self) -> int:
         return max(self.budget - self.inflight, 0) if self.healthy else 0
+
+    @property
+    def room(self) -> int:
+        """Free slots counting the overdraft: what a decision can still use for some request."""
+        return max(self.budget + self.overdraft - self.inflight, 0) if self.healthy else 0
 
     def cached_tokens(self, req: Request) -> int:
         """Prompt tokens of `req` this replica's prefix cache holds, as far as the gateway knows."""

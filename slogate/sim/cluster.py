@@ -40,6 +40,7 @@ class EngineConfig:
     speed_factors: list[float] | None = None  # per-replica slowdown (heterogeneous fleet)
     learn_budget: bool = False  # the live gateway's learned budgets (router/capacity.py), `budget` the cap
     capacity_margin: float = 0.85
+    capacity_overdraft: bool = True  # lend slots above the learned budget to first tokens that cannot wait
     prefix_index: bool = True  # the gateway tracks where each replica's prefix cache is (prefix workloads)
 
 
@@ -113,7 +114,7 @@ class ClusterSim:
                 v.cache = PrefixCache(blocks)
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
-        self.learners = ([CapacityLearner(engine.budget, margin=engine.capacity_margin) for _ in range(n_replicas)]
+        self.learners = ([CapacityLearner(engine.budget, margin=engine.capacity_margin, overdraft_on=engine.capacity_overdraft) for _ in range(n_replicas)]
                          if engine.learn_budget else None)
         self.budget_samples: list[int] = []
         self.account = GoodputAccount()
@@ -193,7 +194,7 @@ class ClusterSim:
             if run.wf.failed:
                 return
             self._issue_call(run, call)
-        if any(v.free for v in self.views):
+        if any(v.room for v in self.views):
             self._schedule()
 
     def _admit(self, req: Request, true_len: int) -> None:
@@ -284,6 +285,7 @@ class ClusterSim:
         total = 0
         for v, lr in zip(self.views, self.learners, strict=True):
             v.budget = max(1, learned_budget(lr, v, now))
+            v.overdraft = lr.overdraft
             total += v.budget
         self.budget_samples.append(total)
 

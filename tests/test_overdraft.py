@@ -1,0 +1,41 @@
+"""First tokens that cannot wait for a slot take the replicas' overdraft slots (scheduler.py)."""
+
+from __future__ import annotations
+
+from slogate.router.request import SLO
+from slogate.router.scheduler import AT_RISK_S, Scheduler
+from tests.helpers import req, view
+
+
+def _full(rid: int, overdraft: int, now: float):
+    v = view(rid, budget=2)
+    v.overdraft = overdraft
+    for k in range(2):  # two long streams decoding: the budget is used up
+        r = req(1000 * (rid + 1) + k, arrival=now - 5, slo=SLO.latency(1.0, 0.05), bound=400)
+        v.claim(r, now - 5)
+        v.first_token(r, now - 4.9)
+    return v
+
+
+def test_a_first_token_about_to_be_lost_takes_an_overdraft_slot_others_wait() -> None:
+    now = 100.0
+    views = [_full(0, 1, now), _full(1, 1, now)]
+    s = Scheduler.from_combo("gmax+gorouting")
+    urgent = req(1, arrival=now - 0.8, inp=200, slo=SLO.latency(1.0, 0.05))  # due in 0.2 s: cannot wait a stream's life
+    fresh = req(2, arrival=now, inp=200, slo=SLO.latency(10.0, 0.05))  # 10 s to its first token: it can wait
+    deadline = req(3, arrival=now - 0.8, inp=200, slo=SLO.deadline(1.5))  # no first token to save
+    late = req(4, arrival=now - 1.5, inp=200, slo=SLO.latency(1.0, 0.05))  # already past its TTFT: lending buys nothing
+    d = s.schedule(now, [fresh, deadline, late, urgent], views)
+    assert [r.rid for r, _ in d.dispatch] == [1]
+    assert sum(v.inflight for v in views) == 5 and all(v.inflight <= v.budget + v.overdraft for v in views)
+    assert all(v.budget == 2 for v in views)  # the lent slots were for that pass only
+
+
+def test_no_overdraft_no_lending_and_lent_slots_run_out() -> None:
+    now = 100.0
+    s = Scheduler.from_combo("gmax+gorouting")
+    urgent = [req(i, arrival=now - 1.0 + AT_RISK_S / 2, inp=100, slo=SLO.latency(1.0, 0.05)) for i in range(1, 5)]
+    assert s.schedule(now, urgent, [_full(0, 0, now), _full(1, 0, now)]).dispatch == []
+    views = [_full(0, 1, now), _full(1, 0, now)]
+    d = s.schedule(now, urgent, views)
+    assert len(d.dispatch) == 1 and d.dispatch[0][1] == 0 and views[0].inflight == 3
