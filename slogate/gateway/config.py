@@ -147,8 +147,10 @@ class CapacityConfig(_Strict):
 
     learn: bool = Field(True, description="Learn each replica's SLO-safe concurrency online; `backends[].budget` stays the upper bound.")
     margin: float = Field(0.85, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
-    overdraft: bool = Field(True, description="While a replica runs faster than that aim, lend latency requests that would lose their first token "
-                            "waiting for a slot the slots up to where its pace would reach the target itself.")
+    overdraft: bool = Field(True, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
+                            "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
+    lend_to: float | None = Field(None, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
+                                  "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "
                                  "each health check: traffic that bypasses the gateway takes from the budget; a full KV cache stops admission.")
 

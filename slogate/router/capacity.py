@@ -70,6 +70,7 @@ class CapacityLearner:
     budget: int = 0
     overdraft_on: bool = True  # lend slots above the budget to first tokens that cannot wait (see above)
     overdraft: int = 0  # extra slots lent now: only with a line, and while the pace is below the goal
+    lend_to: float | None = None  # the pace (share of the target) lent slots may raise a replica to; None: the margin
     bins: dict[int, _Bin] = field(default_factory=dict)
     recent: list[float] = field(default_factory=list)  # gaps since the last update (seconds per token)
     recent_n: list[int] = field(default_factory=list)
@@ -196,12 +197,13 @@ class CapacityLearner:
         as the measured pace can take, at the line's cost per stream, and still stay below the
         goal; never past where the line puts the pace at the target itself. At a full replica
         running at its goal (overload) nothing is lent. Without a line there is no cost to lend by."""
-        if not self.overdraft_on or self.fit is None or self.pace is None or self.pace >= goal:
+        lend_goal = goal if self.lend_to is None else self.lend_to * target_s
+        if not self.overdraft_on or self.fit is None or self.pace is None or self.pace >= lend_goal:
             return 0
         a, b = self.fit
         slope = b + self.stall
         ceiling = min(int((target_s - a) / slope) if target_s > a else 0, self.cap)
-        more = int((goal - self.pace) / slope)
+        more = int((lend_goal - self.pace) / slope)
         return max(0, min(inflight + more, ceiling) - self.budget)
 
 
