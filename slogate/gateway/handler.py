@@ -299,7 +299,8 @@ class Gateway:
             call = self.workflows.issue(res.workflow, res.stage, n_in, res.label, res.final, now)
             res.slo = SLO.compound(max(call.deadline_at - now, 0.05))
         req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
-                          max_tokens=max_tokens, workflow=res.workflow, stage=res.stage, preemptible=False)
+                          max_tokens=max_tokens, workflow=res.workflow, stage=res.stage, preemptible=False,
+                          may_overdraw=res.sources.get("tbt_ms", "default") != "default")
         if prompt is None:
             req.len_bound = req.len_mean = 1.0
         elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:

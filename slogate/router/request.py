@@ -111,6 +111,10 @@ class Request:
     replica: int | None = None
     preemptions: int = 0
     preemptible: bool = True  # the driver can stop it and continue it later (live: a resumable stream past its first token)
+    # May take a slot a replica lends above its budget to save its first token (scheduler.py): live, only
+    # a request whose TBT someone chose; one on the built-in default would slow its neighbours for a
+    # pace no client asked for (guidellm, measured).
+    may_overdraw: bool = True
     shed_reason: str | None = None
     # Prompt as chained block hashes (router/prefix.py) and the prompt tokens one block holds;
     # `cached` is the prefix hit (tokens) on the replica it was last dispatched to.
