@@ -39,6 +39,14 @@ def test_defaults_stream_is_latency_and_plain_is_deadline() -> None:
     assert d.slo.kind is SLOClass.DEADLINE and d.slo.deadline_s == 20.0 and d.waiting_s == 5.0
 
 
+def test_only_a_tbt_someone_chose_counts_as_chosen() -> None:
+    # Paced, and allowed a slot lent above a budget (scheduler.overdraw), only then.
+    plain = GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}]})
+    assert not resolve({"model": "m", "stream": True}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).tbt_chosen
+    assert resolve({"model": "m", "stream": True, "slo": {"tbt_ms": 50}}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).tbt_chosen
+    assert r({"stream": True}).tbt_chosen  # the model's default is an operator's choice
+
+
 def test_precedence_body_over_headers_over_service_tier_over_defaults() -> None:
     hdr = {"x-slogate-ttft-ms": "900", "x-llm-d-slo-tpot-ms": "40"}
     assert r({"stream": True, "service_tier": "priority"}).slo.ttft_s == 0.7  # the tier's default

@@ -300,7 +300,7 @@ class Gateway:
             res.slo = SLO.compound(max(call.deadline_at - now, 0.05))
         req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
                           max_tokens=max_tokens, workflow=res.workflow, stage=res.stage, preemptible=False,
-                          may_overdraw=res.sources.get("tbt_ms", "default") != "default")
+                          may_overdraw=res.tbt_chosen)
         if prompt is None:
             req.len_bound = req.len_mean = 1.0
         elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:
@@ -424,6 +424,6 @@ class Gateway:
         pc = self.cfg.pacing
         if not pc.enabled or req.kind is not SLOClass.LATENCY or not req.slo.tbt_s:
             return None
-        if res.sources.get("tbt_ms", "default") == "default" and not pc.default_slo:
+        if not res.tbt_chosen and not pc.default_slo:
             return None
         return Pacer(req.slo.tbt_s, ceiling=pc.ceiling, reserve_tbts=pc.reserve_tbts, build=pc.build, flush_at_end=pc.flush_at_end)

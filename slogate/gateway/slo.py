@@ -80,6 +80,12 @@ class Resolved:
     final: bool = False  # the workflow's last call
     sources: dict[str, str] = field(default_factory=dict)  # field → where it came from (debugging, tests)
 
+    @property
+    def tbt_chosen(self) -> bool:
+        """Someone chose this request's TBT (request, key, tier, model), not the built-in default:
+        only then is it paced, and only then may it take a slot lent above a budget."""
+        return self.sources.get("tbt_ms", "default") != "default"
+
 
 def _ms(v: Any, param: str, scale: float = 1.0) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float | str):
