@@ -229,8 +229,9 @@ def met(r: dict) -> dict[str, bool]:
             "timeline": all(t <= r["t0"] + TTFT_S + k * TBT_S for k, t in enumerate(ts))}
 
 
-async def sample_budgets(url: str, out: list[float]) -> None:
-    """The gateway's per-replica budgets (summed over replicas), once a second."""
+async def sample_budgets(url: str, out: list[float], state: list[list[float]] | None = None) -> None:
+    """The gateway's per-replica budgets (summed over replicas), once a second; into `state`
+    also [budget, overdraft, in flight, queued] (fleet sums) to see where a knee's losses wait."""
     async with httpx.AsyncClient(timeout=2) as c:
         while True:
             await asyncio.sleep(1.0)
@@ -241,10 +242,13 @@ async def sample_budgets(url: str, out: list[float]) -> None:
             vals = [v for _, v in samples(text, "slogate_replica_budget")]
             if vals:
                 out.append(sum(vals))
+                if state is not None:
+                    state.append([sum(vals)] + [sum(v for _, v in samples(text, m)) for m in
+                                                ("slogate_replica_overdraft", "slogate_replica_inflight", "slogate_queue_depth")])
 
 
-async def replay(url: str, reqs: list[dict], budgets: list[float] | None = None) -> list[dict]:
-    sampler = asyncio.create_task(sample_budgets(url, budgets)) if budgets is not None else None
+async def replay(url: str, reqs: list[dict], budgets: list[float] | None = None, state: list[list[float]] | None = None) -> list[dict]:
+    sampler = asyncio.create_task(sample_budgets(url, budgets, state)) if budgets is not None else None
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     tasks = []
     start = time.monotonic()
@@ -317,7 +321,8 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
     reqs = arrivals(rate, duration, seed)
     with routed(system, urls, tmp) as rt:
         budgets: list[float] | None = [] if system.startswith("slogate") else None
-        res = asyncio.run(replay(rt.url, reqs, budgets))
+        state: list[list[float]] = []
+        res = asyncio.run(replay(rt.url, reqs, budgets, state))
         rt.done()
         shed: dict[str, float] = {}
         preempted = 0.0
@@ -326,6 +331,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             for labels, v in samples(text, "slogate_shed_total"):
                 shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
             preempted = sum(v for _, v in samples(text, "slogate_preemptions_total"))
+    t_start = min((r["t0"] for r in res), default=0.0)
     gp, att = 0.0, 0
     by_rule = {"tpot": [0, 0.0], "timeline": [0, 0.0]}
     outcomes = []
@@ -338,7 +344,9 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             if hit:
                 by_rule[rule][0] += 1
                 by_rule[rule][1] += r["n_out"]
-        outcomes.append([r["status"], int(m["tpot"]), int(m["timeline"])])
+        # [status, tpot rule, timeline rule, TTFT, sent at (s into the run)]: which requests a knee loses, and why
+        outcomes.append([r["status"], int(m["tpot"]), int(m["timeline"]), round(r["times"][0] - r["t0"], 3) if r["times"] else None,
+                         round(r["t0"] - t_start, 3)])
     ok = [r for r in res if r["status"] == 200 and r["times"]]
     ttft = [r["times"][0] - r["t0"] for r in ok]
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r["times"]) if b > a]  # chunks, not padded tokens
@@ -359,7 +367,8 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
             "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1), **rt.batches(),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None,
-            "budget_per_second": budgets, "shed": shed,  # where a run's budget settles, and when (the knee's wrong refusals)
+            "budget_per_second": budgets, "shed": shed,
+            "state_per_second": state or None,  # [budget, overdraft, in flight, queued], fleet sums  # where a run's budget settles, and when (the knee's wrong refusals)
             "preempted": preempted,
             "outcomes": outcomes}
 

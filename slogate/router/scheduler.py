@@ -88,7 +88,7 @@ class Scheduler:
         most urgent first. What the budget's margin keeps for pace spread buys a first token
         that is otherwise certainly lost; the learner lends it only while the replica is fast."""
         def spare(r: Request) -> float:  # time to spare before its first token, on the quickest replica
-            return r.ttft_deadline - now - min(p.prefill_backlog(now) + p.prefill_cost(r) for p in pool)
+            return r.ttft_deadline - min(p.first_token_at(now, r) for p in pool)
 
         pool = [p for p in replicas if p.room > 0 and p.role != "decode"]
         if not pool:
@@ -101,7 +101,7 @@ class Scheduler:
         try:
             for _, _, req in risky:
                 target = self.placement.place(now, req, replicas)
-                if target is None or now + target.prefill_backlog(now) + target.prefill_cost(req) > req.ttft_deadline:
+                if target is None or target.first_token_at(now, req) > req.ttft_deadline:
                     continue  # late there too: lending a slot would slow the others for nothing
                 target.claim(req, now)
                 out.append((req, target.rid))

@@ -62,12 +62,15 @@ class ReplicaView:
 
     @property
     def free(self) -> int:
-        return max(self.budget - self.inflight, 0) if self.healthy else 0
+        return self._slots(self.budget)
 
     @property
     def room(self) -> int:
         """Free slots counting the overdraft: what a decision can still use for some request."""
-        return max(self.budget + self.overdraft - self.inflight, 0) if self.healthy else 0
+        return self._slots(self.budget + self.overdraft)
+
+    def _slots(self, limit: int) -> int:
+        return max(limit - self.inflight, 0) if self.healthy else 0
 
     def cached_tokens(self, req: Request) -> int:
         """Prompt tokens of `req` this replica's prefix cache holds, as far as the gateway knows."""
@@ -139,6 +142,11 @@ class ReplicaView:
         """Seconds of prefill work queued here, lag-compensated (PROSERVE §4.3)."""
         work = self.model.beta_p * self.prefill_raw
         return max(work - (now - self.ts_prefill), 0.0) if work else 0.0
+
+    def first_token_at(self, now: float, req: Request) -> float:
+        """When `req`'s first token would come if dispatched here now: after the prefill queued
+        ahead of it and its own (the uncached part)."""
+        return now + self.prefill_backlog(now) + self.prefill_cost(req)
 
     def overlap(self, req: Request) -> float:
         """How many streams `req` would share this replica's batch with, each weighted by the share
