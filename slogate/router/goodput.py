@@ -135,6 +135,7 @@ class WorkflowLedger:
 class ClassTotals:
     units: int = 0  # requests, or workflows for the compound class
     attained: int = 0
+    attained_output: int = 0  # output tokens of the requests that attained: users' tools' token goodput
     token_goodput: float = 0.0
     tdg: float = 0.0
     tdg_ideal: float = 0.0
@@ -160,6 +161,7 @@ class GoodputAccount:
         for b in self._bins(r.slo.kind.value, r.tier.name):
             b.units += 1
             b.attained += int(led.attained())
+            b.attained_output += led.tokens if led.attained() else 0
             b.token_goodput += led.token_goodput()
             b.tdg += led.tdg_value()
             b.tdg_ideal += ideal
@@ -180,6 +182,7 @@ class GoodputAccount:
         for b in self.by_class.values():
             t.units += b.units
             t.attained += b.attained
+            t.attained_output += b.attained_output
             t.token_goodput += b.token_goodput
             t.tdg += b.tdg
             t.tdg_ideal += b.tdg_ideal

@@ -23,6 +23,7 @@ def result_row(res: SimResult) -> dict[str, Any]:
         "name": res.name,
         "token_goodput": tot.token_goodput / res.span_s,
         "request_goodput": tot.attained / res.span_s,
+        "attained_output_per_s": tot.attained_output / res.span_s,  # output tokens of requests that met their SLO (users' tools)
         "tdg_ratio": tot.tdg / tot.tdg_ideal if tot.tdg_ideal else None,
         "soft_gain": tot.soft / res.span_s,
         "slo_attainment": att,

@@ -62,6 +62,7 @@ class GMAX(OrderingPolicy):
         urgency_s: float = 2.0,
         lead_factor: float = 0.0,
         yield_slack: bool = False,
+        strict_ttft: bool = False,
         seed: int = 0,
     ) -> None:
         self.frame_s = frame_s
@@ -77,6 +78,10 @@ class GMAX(OrderingPolicy):
         self.urgency_s = urgency_s
         self.lead_factor = lead_factor
         self.yield_slack = yield_slack
+        # A latency request not yet started whose first token can no longer be on time is worth
+        # nothing (shed), as guidellm and `vllm bench serve` judge a late first token whatever
+        # follows; off: JITServe's credit for the tokens that catch up with the timeline later.
+        self.strict_ttft = strict_ttft
         self.owed: dict[int, float] = {}  # rid -> until when: waiting requests a preemption freed a slot for
         self.rng = random.Random(seed)
         self.arm_value = [0.0] * len(self.cutoffs)
@@ -159,6 +164,8 @@ class GMAX(OrderingPolicy):
         slack_rate = np.maximum(tbt - v, 1e-9)
         i0 = np.where(late <= 0, 0.0, np.where(tbt > v, np.ceil(late / slack_rate), L))
         lat_good = np.maximum(L - i0, 0.0)
+        if self.strict_ttft:
+            lat_good = np.where((gen == 0) & (late > 0), 0.0, lat_good)
         # Deadline-type: all-or-nothing on the (sub-)deadline; a compound call that misses
         # its stage sub-deadline but still fits the workflow deadline keeps half its value.
         # Best effort is never worthless: it keeps its value past its default deadline and
