@@ -45,6 +45,9 @@ def test_only_a_tbt_someone_chose_counts_as_chosen() -> None:
     assert not resolve({"model": "m", "stream": True}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).tbt_chosen
     assert resolve({"model": "m", "stream": True, "slo": {"tbt_ms": 50}}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).tbt_chosen
     assert r({"stream": True}).tbt_chosen  # the model's default is an operator's choice
+    # Shed once its first token cannot be on time (GMAX strict_ttft), only then.
+    assert not resolve({"model": "m", "stream": True}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).ttft_chosen
+    assert resolve({"model": "m", "stream": True, "slo": {"ttft_ms": 900}}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).ttft_chosen
 
 
 def test_precedence_body_over_headers_over_service_tier_over_defaults() -> None:

@@ -340,3 +340,5 @@ def test_gmax_strict_ttft_sheds_a_first_token_that_can_only_be_late_catch_up_kee
     assert sel.shed == [] and len(sel.dispatch) == 3
     sel = GMAX(preempt=False, strict_ttft=True).select(1.2, [late, on_time, started], 4, reps)
     assert sel.shed == [(late, "slo_unattainable")] and {r.rid for r in sel.dispatch} == {2, 3}
+    late.ttft_chosen = False  # on the built-in default TTFT: a client that asked for none gets it late
+    assert GMAX(preempt=False, strict_ttft=True).select(1.2, [late], 4, [view(budget=4)]).shed == []

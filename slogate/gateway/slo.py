@@ -86,6 +86,12 @@ class Resolved:
         only then is it paced, and only then may it take a slot lent above a budget."""
         return self.sources.get("tbt_ms", "default") != "default"
 
+    @property
+    def ttft_chosen(self) -> bool:
+        """Someone chose this request's TTFT: only then is a first token that can no longer be
+        on time worth nothing (GMAX `strict_ttft`); a client that asked for none gets its answer late."""
+        return self.sources.get("ttft_ms", "default") != "default"
+
 
 def _ms(v: Any, param: str, scale: float = 1.0) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float | str):

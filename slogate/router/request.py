@@ -115,6 +115,9 @@ class Request:
     # a request whose TBT someone chose; one on the built-in default would slow its neighbours for a
     # pace no client asked for (guidellm, measured).
     may_overdraw: bool = True
+    # Its TTFT was chosen by someone (live: the request, its key, tier or model; not the built-in
+    # default): only then does GMAX's `strict_ttft` shed it once its first token cannot be on time.
+    ttft_chosen: bool = True
     shed_reason: str | None = None
     # Prompt as chained block hashes (router/prefix.py) and the prompt tokens one block holds;
     # `cached` is the prefix hit (tokens) on the replica it was last dispatched to.

@@ -81,6 +81,7 @@ class GMAX(OrderingPolicy):
         # A latency request not yet started whose first token can no longer be on time is worth
         # nothing (shed), as guidellm and `vllm bench serve` judge a late first token whatever
         # follows; off: JITServe's credit for the tokens that catch up with the timeline later.
+        # Only where someone chose its TTFT: a client that asked for none gets its answer late.
         self.strict_ttft = strict_ttft
         self.owed: dict[int, float] = {}  # rid -> until when: waiting requests a preemption freed a slot for
         self.rng = random.Random(seed)
@@ -165,7 +166,8 @@ class GMAX(OrderingPolicy):
         i0 = np.where(late <= 0, 0.0, np.where(tbt > v, np.ceil(late / slack_rate), L))
         lat_good = np.maximum(L - i0, 0.0)
         if self.strict_ttft:
-            lat_good = np.where((gen == 0) & (late > 0), 0.0, lat_good)
+            chosen = np.fromiter((r.ttft_chosen for r in reqs), dtype=bool, count=n)
+            lat_good = np.where(chosen & (gen == 0) & (late > 0), 0.0, lat_good)
         # Deadline-type: all-or-nothing on the (sub-)deadline; a compound call that misses
         # its stage sub-deadline but still fits the workflow deadline keeps half its value.
         # Best effort is never worthless: it keeps its value past its default deadline and
