@@ -328,7 +328,7 @@ def test_scheduler_never_sheds_a_stream_its_client_is_reading():
     assert d.shed == [] and d.dispatch == []  # no room: it waits, still not shed
 
 
-def test_gmax_strict_ttft_sheds_a_first_token_that_can_only_be_late_catch_up_keeps_it() -> None:
+def test_gmax_strict_ttft_by_default_sheds_a_first_token_that_can_only_be_late_catch_up_keeps_it() -> None:
     # Its first token is due at 1 s; at 1.2 s it has not started. JITServe's ledger still credits
     # the tokens that catch up with the timeline; users' tools fail it whatever follows.
     late = req(1, arrival=0.0, inp=100, slo=SLO.latency(1.0, 0.05), bound=200)
@@ -336,9 +336,9 @@ def test_gmax_strict_ttft_sheds_a_first_token_that_can_only_be_late_catch_up_kee
     started = req(3, arrival=0.0, inp=100, slo=SLO.latency(1.0, 0.05), bound=200)
     started.generated = 5  # a stream being read (resumed): always the catch-up rule
     reps = [view(budget=4)]
-    sel = GMAX(preempt=False).select(1.2, [late, on_time, started], 4, reps)
+    sel = GMAX(preempt=False, strict_ttft=False).select(1.2, [late, on_time, started], 4, reps)
     assert sel.shed == [] and len(sel.dispatch) == 3
-    sel = GMAX(preempt=False, strict_ttft=True).select(1.2, [late, on_time, started], 4, reps)
+    sel = GMAX(preempt=False).select(1.2, [late, on_time, started], 4, reps)
     assert sel.shed == [(late, "slo_unattainable")] and {r.rid for r in sel.dispatch} == {2, 3}
     late.ttft_chosen = False  # on the built-in default TTFT: a client that asked for none gets it late
     assert GMAX(preempt=False, strict_ttft=True).select(1.2, [late], 4, [view(budget=4)]).shed == []
