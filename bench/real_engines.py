@@ -229,9 +229,12 @@ def met(r: dict) -> dict[str, bool]:
             "timeline": all(t <= r["t0"] + TTFT_S + k * TBT_S for k, t in enumerate(ts))}
 
 
-async def sample_budgets(url: str, out: list[float], state: list[list[float]] | None = None) -> None:
-    """The gateway's per-replica budgets (summed over replicas), once a second; into `state`
-    also [budget, overdraft, in flight, queued] (fleet sums) to see where a knee's losses wait."""
+GATEWAY_STATE = ("slogate_replica_budget", "slogate_replica_overdraft", "slogate_replica_inflight", "slogate_queue_depth")
+
+
+async def sample_state(url: str, out: list[list[float]]) -> None:
+    """Once a second, the gateway's [budget, overdraft, in flight, queued] (fleet sums): where a
+    run's budget settles and where a knee's losses wait."""
     async with httpx.AsyncClient(timeout=2) as c:
         while True:
             await asyncio.sleep(1.0)
@@ -239,16 +242,14 @@ async def sample_budgets(url: str, out: list[float], state: list[list[float]] | 
                 text = (await c.get(f"{url}/metrics")).text
             except httpx.HTTPError:
                 continue
-            vals = [v for _, v in samples(text, "slogate_replica_budget")]
-            if vals:
-                out.append(sum(vals))
-                if state is not None:
-                    state.append([sum(vals)] + [sum(v for _, v in samples(text, m)) for m in
-                                                ("slogate_replica_overdraft", "slogate_replica_inflight", "slogate_queue_depth")])
+            row = [[v for _, v in samples(text, m)] for m in GATEWAY_STATE]
+            if row[0]:
+                out.append([sum(vs) for vs in row])
 
 
-async def replay(url: str, reqs: list[dict], budgets: list[float] | None = None, state: list[list[float]] | None = None) -> list[dict]:
-    sampler = asyncio.create_task(sample_budgets(url, budgets, state)) if budgets is not None else None
+async def replay(url: str, reqs: list[dict], state: list[list[float]] | None = None) -> list[dict]:
+    """`reqs` against `url`; with `state`, the gateway's own state is sampled into it meanwhile."""
+    sampler = asyncio.create_task(sample_state(url, state)) if state is not None else None
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     tasks = []
     start = time.monotonic()
@@ -320,9 +321,8 @@ def routed(system: str, urls: list[str], tmp: Path) -> Iterator[Routed]:
 def run_one(system: str, urls: list[str], rate: float, duration: float, seed: int, tmp: Path) -> dict:
     reqs = arrivals(rate, duration, seed)
     with routed(system, urls, tmp) as rt:
-        budgets: list[float] | None = [] if system.startswith("slogate") else None
-        state: list[list[float]] = []
-        res = asyncio.run(replay(rt.url, reqs, budgets, state))
+        state: list[list[float]] | None = [] if system.startswith("slogate") else None
+        res = asyncio.run(replay(rt.url, reqs, state))
         rt.done()
         shed: dict[str, float] = {}
         preempted = 0.0
@@ -331,6 +331,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             for labels, v in samples(text, "slogate_shed_total"):
                 shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
             preempted = sum(v for _, v in samples(text, "slogate_preemptions_total"))
+    budgets = [row[0] for row in state or ()]
     t_start = min((r["t0"] for r in res), default=0.0)
     gp, att = 0.0, 0
     by_rule = {"tpot": [0, 0.0], "timeline": [0, 0.0]}
@@ -367,8 +368,8 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
             "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1), **rt.batches(),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None,
-            "budget_per_second": budgets, "shed": shed,
-            "state_per_second": state or None,  # [budget, overdraft, in flight, queued], fleet sums  # where a run's budget settles, and when (the knee's wrong refusals)
+            "budget_per_second": budgets or None, "shed": shed,  # where a run's budget settles, and when (the knee's wrong refusals)
+            "state_per_second": state or None,  # [budget, overdraft, in flight, queued], fleet sums
             "preempted": preempted,
             "outcomes": outcomes}
 
