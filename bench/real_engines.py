@@ -232,24 +232,8 @@ def met(r: dict) -> dict[str, bool]:
 GATEWAY_STATE = ("slogate_replica_budget", "slogate_replica_overdraft", "slogate_replica_inflight", "slogate_queue_depth")
 
 
-async def sample_state(url: str, out: list[list[float]]) -> None:
-    """Once a second, the gateway's [budget, overdraft, in flight, queued] (fleet sums): where a
-    run's budget settles and where a knee's losses wait."""
-    async with httpx.AsyncClient(timeout=2) as c:
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                text = (await c.get(f"{url}/metrics")).text
-            except httpx.HTTPError:
-                continue
-            row = [[v for _, v in samples(text, m)] for m in GATEWAY_STATE]
-            if row[0]:
-                out.append([sum(vs) for vs in row])
-
-
-async def replay(url: str, reqs: list[dict], state: list[list[float]] | None = None) -> list[dict]:
-    """`reqs` against `url`; with `state`, the gateway's own state is sampled into it meanwhile."""
-    sampler = asyncio.create_task(sample_state(url, state)) if state is not None else None
+async def replay(url: str, reqs: list[dict]) -> list[dict]:
+    """`reqs` against `url`, each sent at its offset."""
     c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     tasks = []
     start = time.monotonic()
@@ -257,8 +241,6 @@ async def replay(url: str, reqs: list[dict], state: list[list[float]] | None = N
         await asyncio.sleep(max(0.0, start + a["at"] - time.monotonic()))
         tasks.append(asyncio.create_task(one(c, a)))
     out = await asyncio.gather(*tasks)
-    if sampler is not None:
-        sampler.cancel()
     await c.close()
     return out
 
@@ -268,14 +250,16 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 class Routed:
-    """A router under test: its URL, its CPU use per wall second from start to `done()`, and the
-    batches its placement gave the engines (each engine's running requests, sampled)."""
+    """A router under test: its URL, its CPU use per wall second from start to `done()`, the
+    batches its placement gave the engines (each engine's running requests, sampled), and, for
+    a client that is not ours (guidellm, `vllm bench serve`), slogate's own state once a second."""
 
     def __init__(self, proc: subprocess.Popen, url: str, engines: list[str] = ()) -> None:  # type: ignore[assignment]
         self.proc, self.url = proc, url
         self._cpu0, self._t0 = cpu_s(proc.pid), time.monotonic()
         self.wall_s = self.cpu_share = 0.0
         self.running: list[list[float]] = []  # per sample, each engine's vllm:num_requests_running
+        self.state: list[list[float]] | None = []  # once a second: the gateway's [budget, overdraft, in flight, queued] (slogate only)
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, args=(list(engines),), daemon=True)
         if engines:
@@ -283,9 +267,18 @@ class Routed:
 
     def _sample(self, engines: list[str]) -> None:
         with httpx.Client(timeout=2) as c:
-            while not self._stop.wait(0.25):
+            for k in itertools.count():
+                if self._stop.wait(0.25):
+                    return
                 try:
                     row = [sum(v for _, v in samples(c.get(f"{u}/metrics").text, "vllm:num_requests_running")) for u in engines]
+                    if k % 4 == 3 and self.state is not None:
+                        text = c.get(f"{self.url}/metrics").text
+                        st = [[v for _, v in samples(text, m)] for m in GATEWAY_STATE]
+                        if st[0]:
+                            self.state.append([sum(vs) for vs in st])
+                        else:
+                            self.state = None  # not slogate
                 except httpx.HTTPError:
                     continue
                 self.running.append(row)
@@ -321,9 +314,9 @@ def routed(system: str, urls: list[str], tmp: Path) -> Iterator[Routed]:
 def run_one(system: str, urls: list[str], rate: float, duration: float, seed: int, tmp: Path) -> dict:
     reqs = arrivals(rate, duration, seed)
     with routed(system, urls, tmp) as rt:
-        state: list[list[float]] | None = [] if system.startswith("slogate") else None
-        res = asyncio.run(replay(rt.url, reqs, state))
+        res = asyncio.run(replay(rt.url, reqs))
         rt.done()
+        state = rt.state
         shed: dict[str, float] = {}
         preempted = 0.0
         if not system.startswith(("vllm-router", "passthrough")):  # why slogate refused what it refused
@@ -426,7 +419,7 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
             "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
             "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3), "guidellm_reruns": reruns,
-            "flooded": flooded, **rt.batches()}
+            "flooded": flooded, **rt.batches(), "state_per_second": rt.state or None, "engine_running": rt.running}
 
 
 def guidellm_flooded(b: dict) -> bool:

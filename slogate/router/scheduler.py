@@ -93,7 +93,7 @@ class Scheduler:
         pool = [p for p in replicas if p.room > 0 and p.role != "decode"]
         if not pool:
             return []
-        risky = [r for r in waiting if r.kind is SLOClass.LATENCY and r.may_overdraw and not r.generated and r.slo.ttft_s is not None]
+        risky = [r for r in waiting if r.kind is SLOClass.LATENCY and r.tbt_chosen and not r.generated and r.slo.ttft_s is not None]
         risky = sorted((s, r.rid, r) for r in risky if 0 <= (s := spare(r)) <= AT_RISK_S)
         out: list[tuple[Request, int]] = []
         for p in replicas:

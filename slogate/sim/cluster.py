@@ -75,6 +75,8 @@ class SimResult:
     budget_samples: list[int] = field(default_factory=list)  # the fleet's learned budget, once per update
     prefix_hits: int = 0  # prompt tokens the engines found in their prefix caches
     prefix_queries: int = 0
+    # Each single request that finished: (arrival, first token, finish, tokens), for users' tools' rules
+    finished: list[tuple[float, float, float, int]] = field(default_factory=list)
 
 
 class ClusterSim:
@@ -129,6 +131,7 @@ class ClusterSim:
         self._rid = itertools.count()
         self._block = itertools.count(1 << 40)  # block ids of workflow contexts (apart from any trace's)
         self.ttft, self.tbt, self.e2e = array("d"), array("d"), array("d")
+        self.finished: list[tuple[float, float, float, int]] = []
         self.tokens_processed = 0
         self.shed = 0
         self.preempted = 0
@@ -177,6 +180,7 @@ class ClusterSim:
             budget_samples=self.budget_samples,
             prefix_hits=sum(e.prefix_hits for e in self.engines),
             prefix_queries=sum(e.prefix_queries for e in self.engines),
+            finished=self.finished,
         )
 
     # -- arrivals --------------------------------------------------------------------------------
@@ -187,7 +191,7 @@ class ClusterSim:
                 return
             assert item.slo is not None
             req = Request(next(self._rid), self.now, item.input_tokens, item.slo, tier=item.tier, tenant=item.tier.name,
-                          prefix=item.prefix, tokens_per_block=self.wl.tokens_per_block)
+                          prefix=item.prefix, tokens_per_block=self.wl.tokens_per_block, tbt_chosen=item.chosen, ttft_chosen=item.chosen)
             self._admit(req, item.output_tokens)
         else:
             run, call = item
@@ -357,6 +361,7 @@ class ClusterSim:
         self.seqs.pop(req.rid, None)
         del self.ledgers[req.rid]
         if req.workflow is None:
+            self.finished.append((req.arrival, req.first_token_at if req.first_token_at is not None else now, now, req.generated))
             self.account.settle_request(led)
             return
         run, call = self.wf_of.pop(req.rid)

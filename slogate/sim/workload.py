@@ -75,6 +75,7 @@ class Job:
     prefix: tuple[int, ...] = ()
     workflow: WorkflowSpec | None = None
     wf_deadline_s: float = 0.0
+    chosen: bool = True  # its client chose its SLO; false: it sent none and has the built-in default (live: `Resolved`)
 
 
 @dataclass

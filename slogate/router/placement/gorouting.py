@@ -6,7 +6,10 @@ before its due time under the aggressive estimate φ_a (all of Q finishes togeth
 plus the decode load n_d·b_d. Candidates C = {p : Δ_p ≥ α·Δ_max}. If Δ_max > 0: the most
 idle light replica (exec < μ·SLO) if any; else the *busiest* candidate that is not heavy
 (exec with req > λ·SLO), keeping light replicas free for future long / high-priority
-requests (the over-balancing fix); else the least loaded candidate. If no replica can
+requests (the over-balancing fix); else the least loaded candidate. By default (`pack:
+"chosen"`) a request whose TBT nobody chose (`Request.tbt_chosen` false: a plain OpenAI client)
+is never packed: it goes to the lightest replica that is not heavy, by the batch it would
+decode in (`pack: true`: the paper's rule for every request; `false`: for none). If no replica can
 meet the SLO (Δ_max ≤ 0) we take the least loaded one — the paper falls back to random,
 which under overload only adds queueing.
 
@@ -35,12 +38,15 @@ class GoRouting(PlacementPolicy):
     name = "gorouting"
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
-                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap", pack: bool = True,
+                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap",
+                 pack: bool | Literal["chosen"] = "chosen",
                  seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
         self.balance = balance  # the lightest of the light replicas by `overlap`, or the paper's n_d·b_d
-        self.pack = pack  # past the light ones: the busiest that is not heavy (the paper), else the lightest
+        # Past the light ones: the busiest that is not heavy (the paper: True), else the lightest
+        # (False); "chosen": the paper's rule only for a request whose TBT someone chose.
+        self.pack = pack
         self.wait_for_cache = wait_for_cache  # share of the prompt a full holder must hold more than any free replica (0: never wait)
 
     def _value(self, r: Request) -> float:
@@ -104,9 +110,11 @@ class GoRouting(PlacementPolicy):
         best_hit = max(c for _, c in near)
         cands = [p for p, c in near if c == best_hit]
         slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
-        if self.pack:
+        if self.pack is True or (self.pack == "chosen" and req.tbt_chosen):
             light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
-        else:  # every replica that is not heavy counts as light: balance, never pack
+        else:  # every replica that is not heavy counts as light: balance, never pack. A stream whose
+            # pace nobody chose is never packed: its client judges it by the engine's pace, which
+            # follows the batch (guidellm against round robin, measured)
             light = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if light:
             # The lightest by the batch `req` would decode in over its life: streams about to end
