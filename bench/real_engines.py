@@ -613,7 +613,7 @@ def main() -> None:
                         row = run_one(system, urls, rate, a.duration, seed=rep, tmp=tmp)
                     row["repeat"] = rep
                     rows.append(row)
-                    print(json.dumps({k: v for k, v in row.items() if k != "outcomes"}), flush=True)
+                    print(json.dumps({k: v for k, v in row.items() if k not in ("outcomes", "engine_running", "state_per_second", "budget_per_second")}), flush=True)
                     if a.out:  # kept as they come: a crash later keeps what was measured
                         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
                     time.sleep(2)  # let the engines drain
