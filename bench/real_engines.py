@@ -412,6 +412,7 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
 
     return {"client": "guidellm", "system": system, "rate": rate, "sent": n, "successful": len(ok),
             "errored": len(reqs["errored"]), "incomplete": len(reqs["incomplete"]),
+            "errors": [str((q.get("info") or {}).get("error"))[:200] for q in reqs["errored"]][:5],
             "refused": sum(1 for q in reqs["errored"] if "429" in str(q.get("info", {}).get("error")) or "503" in str(q.get("info", {}).get("error"))),
             "slo_attainment": round(len(conforming) / max(n, 1), 3), "goodput_tokens": round(sum(q["output_tokens"] for q in conforming) / dur, 1),
             "goodput_requests_guidellm": round(((m.get("request_goodput") or {}).get("total") or {}).get("mean") or 0.0, 3),

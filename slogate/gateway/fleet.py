@@ -54,6 +54,9 @@ class Backend:
         self.headers = {"authorization": f"Bearer {bc.api_key}"} if bc.api_key else {}
 
 
+CHECK_TIMEOUT_S = 1.5  # a health check's answer; past it, only a replica no token came from meanwhile is down
+
+
 def engine_gauges(text: str) -> tuple[float | None, float | None, tuple[int, int] | None]:
     """(running + waiting, KV-cache use, (KV-cache size in tokens, block size)) from vLLM's
     Prometheus text, summed over its models."""
@@ -231,15 +234,21 @@ class Fleet:
 
     async def check(self, b: Backend, discover: bool = False) -> None:
         assert self.client is not None
+        asked = time.monotonic()
         try:
-            async with self.client.get(f"{b.cfg.url}/v1/models", timeout=aiohttp.ClientTimeout(total=1.5), headers=b.headers) as r:
+            async with self.client.get(f"{b.cfg.url}/v1/models", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S), headers=b.headers) as r:
                 ok = r.status == 200
                 if ok and (((discover or not b.models) and not b.cfg.models) or b.max_len is None):
                     data = [m for m in (await r.json(content_type=None)).get("data", []) if isinstance(m, dict)]
                     if not b.cfg.models:
                         b.models = {m["id"] for m in data if "id" in m}
                     b.max_len = max((m["max_model_len"] for m in data if isinstance(m.get("max_model_len"), int)), default=0)
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+        except TimeoutError:
+            # A slow answer from a replica whose streams kept delivering tokens meanwhile is a busy
+            # engine (vLLM's API server on saturated cores answers /v1/models in seconds, measured),
+            # not a dead one: marking it down would cut and re-prefill the requests waiting on it.
+            ok = b.view.healthy and b.view.heard_at >= asked
+        except (aiohttp.ClientError, ValueError, AttributeError):
             ok = False
         if ok != b.view.healthy:
             log.warning("backend %s is now %s", b.name, "healthy" if ok else "UNHEALTHY")

@@ -42,6 +42,7 @@ class Lifecycle:
         previous ones (None for its first token on this replica: no decode gap), for the driver's
         speed measurements."""
         view = self.by_rid[req.replica]  # type: ignore[index]
+        view.heard_at = now
         gap = None
         if req.rid in view.prefill_queue or req.last_token_at is None:  # its first token here (after a preemption too)
             view.first_token(req, now)

@@ -7,6 +7,7 @@ concurrency budget. Drivers mutate it through `claim` / `first_token` / `release
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class ReplicaView:
     decoding: dict[int, Request] = field(default_factory=dict)
     decode_kv: int = 0  # KV tokens held by decoding requests (approx., from counts)
     ts_prefill: float = 0.0  # last update of prefill_queue (lag compensation)
+    heard_at: float = -math.inf  # when a token of any request here last arrived (live: a slow health check is not a dead replica)
     prefill_ctx: int = 0  # Σ context tokens in prefill_queue (kept incrementally: O(1) reads)
     prefill_work_raw: float = 0.0  # Σ uncorrected prefill time of prefill_queue
     free_kv_blocks: int | None = None  # scraped from the engine where available

@@ -103,14 +103,15 @@ def _continued_tokens(body: dict[str, Any], chat: bool) -> int:
 
 
 def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0,
-                      fixed_kw: dict[str, Any] | None = None, hold_every: int = 0, **engine_kw: Any) -> FastAPI:
+                      fixed_kw: dict[str, Any] | None = None, hold_every: int = 0, models_delay_ms: float = 0.0, **engine_kw: Any) -> FastAPI:
     """`fixed_ttft_ms` set: a fixed-latency engine (FixedLatencyEngine, `fixed_kw`: its jitter
     and stalls) instead of the batch model. `hold_every` k > 1: streamed with token ids, token
     tokN with N % k == k − 1 is part of a character as vLLM's detokenizer sees it: its text is
     held back and goes out with the next token's, and it shares a chunk with the token before it
     (a busy engine merging two steps); a continuation whose prompt ids end with it gets vLLM's
     answer to a prompt ending inside a character: the whole prompt back as answer text (here
-    "ECHO ")."""
+    "ECHO "). `models_delay_ms`: `/v1/models` answers that late (vLLM's API server on saturated
+    cores) while tokens keep flowing."""
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
@@ -125,6 +126,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         await state["engine"].stop()
 
     app = FastAPI(title="slogate simulated engine", lifespan=lifespan)
+    app.state.models_delay_s = models_delay_ms / 1000  # a test may change it while the engine runs
 
     def engine() -> RealtimeEngine:
         return state["engine"]
@@ -135,6 +137,8 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        if app.state.models_delay_s:
+            await asyncio.sleep(app.state.models_delay_s)
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "slogate-sim", "max_model_len": 8192}]}
 
     @app.get("/metrics")
