@@ -153,3 +153,18 @@ def test_it_lends_what_the_measured_pace_can_take_and_nothing_at_its_goal() -> N
     off = CapacityLearner(cap=64, start=4, overdraft_on=False)
     drive(off, lambda n: 0.005 + 0.002 * n, 60, 0.050, offered=12)
     assert off.fit is not None and off.overdraft == 0
+
+
+def test_each_learning_step_gives_placement_the_measured_cost_of_a_stream() -> None:
+    """`learned_budget` (gateway and simulator alike) hands the replica view the line's slope:
+    GoRouting weighs a replica's batch at it (router/view.py `decode_delay`)."""
+    from slogate.router.capacity import learned_budget
+    from tests.helpers import view
+
+    lr = CapacityLearner(cap=64, start=4)
+    v = view(0)
+    learned_budget(lr, v, 0.0)
+    assert lr.fit is None and v.stream_cost is None and v.per_stream() == v.model.b_d
+    drive(lr, lambda n: 0.005 + 0.002 * n, 60, 0.050)
+    learned_budget(lr, v, 61.0)
+    assert lr.fit is not None and v.stream_cost == lr.fit[1] and abs(v.per_stream() - 0.002) < 0.0006

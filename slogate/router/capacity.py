@@ -212,7 +212,9 @@ def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, exte
     latency streams can afford now is the target, and what it holds (plus `external` requests
     that other clients run there) is the n the recent gaps were measured at."""
     target = affordable_pace(now, (*view.decoding.values(), *view.prefill_queue.values()))
-    return learner.update(now, target, view.inflight + external)
+    budget = learner.update(now, target, view.inflight + external)
+    view.stream_cost = learner.fit[1] if learner.fit is not None else None  # placement's cost of a stream (view.py)
+    return budget
 
 
 def affordable_pace(now: float, reqs: Iterable[Request], headroom: float = 1.0) -> float | None:

