@@ -259,6 +259,7 @@ class Routed:
         self._cpu0, self._t0 = cpu_s(proc.pid), time.monotonic()
         self.wall_s = self.cpu_share = 0.0
         self.running: list[list[float]] = []  # per sample, each engine's vllm:num_requests_running
+        self.replicas: list[list[list[float]]] = []  # once a second: each replica's [budget, in flight] (slogate only)
         self.state: list[list[float]] | None = []  # once a second: the gateway's [budget, overdraft, in flight, queued] (slogate only)
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, args=(list(engines),), daemon=True)
@@ -274,9 +275,13 @@ class Routed:
                     row = [sum(v for _, v in samples(c.get(f"{u}/metrics").text, "vllm:num_requests_running")) for u in engines]
                     if k % 4 == 3 and self.state is not None:
                         text = c.get(f"{self.url}/metrics").text
-                        st = [[v for _, v in samples(text, m)] for m in GATEWAY_STATE]
+                        per = [samples(text, m) for m in GATEWAY_STATE]
+                        st = [[v for _, v in rows] for rows in per]
                         if st[0]:
                             self.state.append([sum(vs) for vs in st])
+                            # each replica's [budget, in flight], in the order of its label: where placement put them
+                            by = [dict((lab.get("backend", ""), v) for lab, v in rows) for rows in (per[0], per[2])]
+                            self.replicas.append([[by[0][k], by[1].get(k, 0.0)] for k in sorted(by[0])])
                         else:
                             self.state = None  # not slogate
                 except httpx.HTTPError:
@@ -420,7 +425,8 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
             "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
             "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3), "guidellm_reruns": reruns,
-            "flooded": flooded, **rt.batches(), "state_per_second": rt.state or None, "engine_running": rt.running}
+            "flooded": flooded, **rt.batches(), "state_per_second": rt.state or None, "replica_state": rt.replicas or None,
+            "engine_running": rt.running}
 
 
 def guidellm_flooded(b: dict) -> bool:

@@ -78,11 +78,11 @@ def test_a_frozen_engine_is_detected_by_timeouts_and_its_requests_move() -> None
         watch = Watch(gw.url, "slogate_replica_healthy", backend="a")
         watch.start()
         t0 = time.monotonic()
-        load = Load(gw.url, workers=10, stop_at=t0 + 7.0, max_tokens=60, stream_share=0.5).start()
+        load = Load(gw.url, workers=10, stop_at=t0 + 9.0, max_tokens=60, stream_share=0.5).start()
         time.sleep(1.5)
         stopped_at = time.monotonic()
         a.signal(signal.SIGSTOP)
-        time.sleep(3.5)
+        time.sleep(6.0)
         a.signal(signal.SIGCONT)
         resumed_at = time.monotonic()
         assert load.join(timeout=40), "a request hung on the frozen engine"
@@ -97,10 +97,12 @@ def test_a_frozen_engine_is_detected_by_timeouts_and_its_requests_move() -> None
     assert all(o.ended - stopped_at < 2.0 + 1.5 for o in cut), [round(o.ended - stopped_at, 2) for o in cut]
     # Requests caught waiting on it (streamed or not) completed elsewhere, well before 600 s.
     waiting = [o for o in out if o.started < stopped_at + 2.5 and o.ended > stopped_at and o.kind == "completed"]
-    assert waiting and max(o.ended - max(o.started, stopped_at) for o in waiting) < 6.0
+    assert waiting and max(o.ended - max(o.started, stopped_at) for o in waiting) < 8.0
     assert any(not o.stream for o in waiting)
     down = watch.first(stopped_at, 0.0)
-    assert down is not None and down - stopped_at <= 2.5, down and down - stopped_at  # 1.5 s check timeout + 0.5 s period
+    # Silent for fleet.SILENT_S (3 s) and not answering a check (1.5 s timeout, 0.5 s period): a
+    # frozen replica, not a busy one (its streams would keep delivering).
+    assert down is not None and down - stopped_at <= 5.0, down and down - stopped_at
     assert watch.first(resumed_at, 1.0) is not None
 
 

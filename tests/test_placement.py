@@ -84,7 +84,9 @@ def test_gorouting_weighs_the_batch_at_each_replicas_measured_cost_per_stream():
     full, other = _decoding(0, 17), _decoding(1, 7, prefill=4000)
     assert other.prefill_backlog(0.0) > full.decode_delay(new) - other.decode_delay(new)  # the profile's picture
     assert GoRouting().place(0.0, new, [full, other]) is full
-    full.stream_cost = other.stream_cost = 0.002
+    other.stream_cost = 0.002  # measured on one replica only (the other's learner is probing again):
+    assert GoRouting().place(0.0, new, [full, other]) is other  # the other is priced at the fleet's cost, not the profile's
+    full.stream_cost = 0.002
     assert GoRouting().place(0.0, new, [full, other]) is other
     assert full.decode_delay(new) == pytest.approx(0.002 * 17 * 200, rel=0.01)  # each stream shares its 200 tokens left
 

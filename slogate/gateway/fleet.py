@@ -54,7 +54,8 @@ class Backend:
         self.headers = {"authorization": f"Bearer {bc.api_key}"} if bc.api_key else {}
 
 
-CHECK_TIMEOUT_S = 1.5  # a health check's answer; past it, only a replica no token came from meanwhile is down
+CHECK_TIMEOUT_S = 1.5  # a health check's answer; past it, only a replica silent for SILENT_S is down
+SILENT_S = 3.0  # no token for this long from a replica that does not answer: frozen, not busy (a CPU engine's step can pass 1.5 s)
 
 
 def engine_gauges(text: str) -> tuple[float | None, float | None, tuple[int, int] | None]:
@@ -234,10 +235,9 @@ class Fleet:
 
     async def check(self, b: Backend, discover: bool = False) -> None:
         assert self.client is not None
-        asked = time.monotonic()
         try:
             async with self.client.get(f"{b.cfg.url}/v1/models", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S), headers=b.headers) as r:
-                ok = r.status == 200
+                ok, why = r.status == 200, f"status {r.status}"
                 if ok and (((discover or not b.models) and not b.cfg.models) or b.max_len is None):
                     data = [m for m in (await r.json(content_type=None)).get("data", []) if isinstance(m, dict)]
                     if not b.cfg.models:
@@ -247,11 +247,13 @@ class Fleet:
             # A slow answer from a replica whose streams kept delivering tokens meanwhile is a busy
             # engine (vLLM's API server on saturated cores answers /v1/models in seconds, measured),
             # not a dead one: marking it down would cut and re-prefill the requests waiting on it.
-            ok = b.view.healthy and b.view.heard_at >= asked
-        except (aiohttp.ClientError, ValueError, AttributeError):
-            ok = False
+            silent = time.monotonic() - b.view.heard_at
+            ok = b.view.healthy and silent < SILENT_S
+            why = f"no answer to its health check in {CHECK_TIMEOUT_S:g} s, no token for {silent:.1f} s"
+        except (aiohttp.ClientError, ValueError, AttributeError) as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
         if ok != b.view.healthy:
-            log.warning("backend %s is now %s", b.name, "healthy" if ok else "UNHEALTHY")
+            log.warning("backend %s is now %s", b.name, "healthy" if ok else f"UNHEALTHY ({why})")
             if not ok:
                 self.failed.set()
         if not ok:

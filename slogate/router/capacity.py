@@ -213,7 +213,8 @@ def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, exte
     that other clients run there) is the n the recent gaps were measured at."""
     target = affordable_pace(now, (*view.decoding.values(), *view.prefill_queue.values()))
     budget = learner.update(now, target, view.inflight + external)
-    view.stream_cost = learner.fit[1] if learner.fit is not None else None  # placement's cost of a stream (view.py)
+    if learner.fit is not None:  # placement's cost of a stream (view.py); the last one stays while the learner probes again
+        view.stream_cost = learner.fit[1]
     return budget
 
 

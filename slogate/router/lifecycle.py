@@ -62,6 +62,8 @@ class Lifecycle:
     def answered(self, req: Request, n: int, now: float) -> None:
         """A whole non-streamed answer of `n` tokens arrived: served, but the view learns no first-
         token time from it (the answer's time is not the prefill's); `finished` follows."""
+        if req.replica is not None:
+            self.by_rid[req.replica].heard_at = now
         req.generated += n
         req.last_token_at = now
         self.ordering.on_service(req, n, now)

@@ -165,15 +165,19 @@ class ReplicaView:
                 n += min(r.remaining_bound, mine) / mine
         return n
 
-    def per_stream(self) -> float:
-        """Seconds one more stream adds to each decode step here."""
-        return self.stream_cost if self.stream_cost is not None else self.model.b_d
+    def per_stream(self, fleet: float | None = None) -> float:
+        """Seconds one more stream adds to each decode step here: measured, else what the fleet's
+        replicas measured (`fleet`), else the profile's. Never this replica's profile beside its
+        peers' measurements: at ~1% of theirs it would look free and draw every request."""
+        if self.stream_cost is not None:
+            return self.stream_cost
+        return fleet if fleet is not None else self.model.b_d
 
-    def decode_delay(self, req: Request) -> float:
+    def decode_delay(self, req: Request, fleet: float | None = None) -> float:
         """Seconds the streams here would add to `req`'s decode over its life: each slows every
         step it shares with req (`overlap`, over req's answer bound). Seconds, as a prefill
         backlog is: the two add up to when req's answer would be done, less what any replica costs."""
-        return self.per_stream() * self.overlap(req) * max(req.remaining_bound, 1.0)
+        return self.per_stream(fleet) * self.overlap(req) * max(req.remaining_bound, 1.0)
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:
         """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
@@ -181,6 +185,12 @@ class ReplicaView:
         if extra is not None:
             t += self.prefill_cost(extra) + self.model.t_c
         return t
+
+
+def fleet_stream_cost(replicas: Sequence[ReplicaView]) -> float | None:
+    """The median cost per stream the replicas measured (None: none has yet)."""
+    known = sorted(p.stream_cost for p in replicas if p.stream_cost is not None)
+    return known[len(known) // 2] if known else None
 
 
 def best_cached(req: Request, replicas: Sequence[ReplicaView], now: float, max_age: float) -> int:

@@ -24,7 +24,7 @@ from typing import Literal
 
 from slogate.router.placement.base import PlacementPolicy
 from slogate.router.request import Request, SLOClass
-from slogate.router.view import ReplicaView
+from slogate.router.view import ReplicaView, fleet_stream_cost
 
 
 def first_token_budget(req: Request, now: float, v_token: float) -> float:
@@ -126,7 +126,8 @@ class GoRouting(PlacementPolicy):
             # 7 looked the lighter whenever the other had a prompt in prefill (guidellm, measured).
             if self.balance == "count":
                 return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
-            return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req))
+            fleet = fleet_stream_cost(pool)
+            return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, fleet))
         not_heavy = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if not_heavy:
             return max(not_heavy, key=lambda p: p.estimate_exec(now))
