@@ -38,11 +38,23 @@ def test_starting_at_the_cap_it_backs_off_an_overloaded_replica() -> None:
     assert sum(x > 25 for x in b[10:]) == 0, b
 
 
-def test_never_above_the_cap_and_never_below_one() -> None:
+def test_never_above_the_cap_and_a_cut_never_below_the_floor() -> None:
     lr = CapacityLearner(cap=10, start=4)
     assert max(drive(lr, lambda n: 0.001 * n, 40, 0.5)) == 10  # a fast replica: up to the cap, no further
-    slow = CapacityLearner(cap=10, start=4)
-    assert drive(slow, lambda n: 0.2 + 0.01 * n, 20, 0.05)[-1] == 1  # too slow for the target even alone: one at a time
+    # Too slow for the target even alone: cut to the floor, no further (at 0.2 s a token every
+    # stream misses its 50 ms anyway; fewer at a time would only queue the rest).
+    slow = CapacityLearner(cap=10, start=8)
+    b = drive(slow, lambda n: 0.2 + 0.01 * n, 20, 0.05)
+    assert b[0] < 8 and b[-1] == 4, b
+    tiny = CapacityLearner(cap=2)
+    assert drive(tiny, lambda n: 0.2 + 0.01 * n, 20, 0.05)[-1] == 2  # the floor never lifts a budget above the cap
+
+
+def test_a_cold_replica_holding_two_is_not_cut_to_one() -> None:
+    """Two streams and a slow mean pace (the first prefills stall every step): the cut stops at
+    the floor, so placement keeps this replica beside a peer still at its cap."""
+    lr = CapacityLearner(cap=48)
+    assert drive(lr, lambda n: 0.15, 5, 0.1, offered=2)[-1] == 4
 
 
 def test_no_growth_without_load_and_recovery_when_the_engine_slows_down() -> None:

