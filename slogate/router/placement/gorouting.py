@@ -121,13 +121,13 @@ class GoRouting(PlacementPolicy):
             # the batch it would decode in over its life, streams about to end counting for little
             # (a count of streams sent a request beside younger ones, and the engine's pace, hence
             # every stream's TPOT, follows the batch; real vLLM, measured). Both in seconds, the
-            # decode term at the replica's measured cost per stream: per token, as the profile's
+            # decode term at the fleet's measured cost per stream: per token, as the profile's
             # b_d alone, it was ~1% of a prefill and a replica holding 17 streams beside one holding
             # 7 looked the lighter whenever the other had a prompt in prefill (guidellm, measured).
             if self.balance == "count":
                 return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
-            fleet = fleet_stream_cost(pool)
-            return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, fleet))
+            cost = fleet_stream_cost(pool)
+            return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, cost))
         not_heavy = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if not_heavy:
             return max(not_heavy, key=lambda p: p.estimate_exec(now))
