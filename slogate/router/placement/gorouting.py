@@ -7,9 +7,12 @@ plus the decode load n_d·b_d. Candidates C = {p : Δ_p ≥ α·Δ_max}. If Δ_m
 idle light replica (exec < μ·SLO) if any; else the *busiest* candidate that is not heavy
 (exec with req > λ·SLO), keeping light replicas free for future long / high-priority
 requests (the over-balancing fix); else the least loaded candidate. By default (`pack:
-"chosen"`) a request whose TBT nobody chose (`Request.tbt_chosen` false: a plain OpenAI client)
-is never packed: it goes to the lightest replica that is not heavy, by the batch it would
-decode in (`pack: true`: the paper's rule for every request; `false`: for none). If no replica can
+false`) nothing is packed: every request goes to the lightest replica that is not heavy, by
+when its answer would be done there (the prefill queued ahead and the batch it would decode
+in): on real vLLM a stream's pace follows its engine's batch, and packing cost SLO-carrying
+streams their timeline (measured, docs/benchmarks.md "Sitting L"). `pack: true` is the paper's
+rule for every request; `"chosen"` only for a request whose TBT someone chose (a client that
+sent no SLO is never packed: it judges the stream by the engine's pace). If no replica can
 meet the SLO (Δ_max ≤ 0) we take the least loaded one — the paper falls back to random,
 which under overload only adds queueing.
 
@@ -39,7 +42,7 @@ class GoRouting(PlacementPolicy):
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
                  wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap",
-                 pack: bool | Literal["chosen"] = "chosen",
+                 pack: bool | Literal["chosen"] = False,
                  seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
@@ -112,9 +115,8 @@ class GoRouting(PlacementPolicy):
         slo = max(first_token_budget(req, now, cands[0].token_time()), 1e-3)
         if self.pack is True or (self.pack == "chosen" and req.tbt_chosen):
             light = [p for p in cands if p.estimate_exec(now) < self.mu * slo]
-        else:  # every replica that is not heavy counts as light: balance, never pack. A stream whose
-            # pace nobody chose is never packed: its client judges it by the engine's pace, which
-            # follows the batch (guidellm against round robin, measured)
+        else:  # every replica that is not heavy counts as light: balance, never pack. Each stream's
+            # pace follows its engine's batch (guidellm and our client against round robin, measured)
             light = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if light:
             # The lightest by when req's answer would be done: the prefill queued ahead of it and
