@@ -25,7 +25,8 @@ def make_app(backends: list[str]) -> Starlette:
 
     async def proxy(request: Request) -> Response:
         body = await request.body()
-        rq = client.build_request("POST", next(rr) + request.url.path, content=body, headers={"content-type": "application/json"})
+        rq = client.build_request(request.method, next(rr) + request.url.path, content=body or None,
+                                  headers={"content-type": "application/json"} if body else None)
         resp = await client.send(rq, stream=True)
 
         async def relay() -> AsyncIterator[bytes]:
@@ -42,7 +43,9 @@ def make_app(backends: list[str]) -> Starlette:
         yield
         await client.aclose()
 
-    return Starlette(routes=[Route("/v1/chat/completions", proxy, methods=["POST"]), Route("/v1/completions", proxy, methods=["POST"])],
+    # GET /v1/models and /health too: guidellm validates its backend with them before a run
+    return Starlette(routes=[Route("/v1/chat/completions", proxy, methods=["POST"]), Route("/v1/completions", proxy, methods=["POST"]),
+                             Route("/v1/models", proxy, methods=["GET"]), Route("/health", proxy, methods=["GET"])],
                      lifespan=lifespan)
 
 
