@@ -137,6 +137,11 @@ class CapacityLearner:
     def _ew(old: float | None, new: float, weight: float) -> float:
         return new if old is None else (1 - weight) * old + weight * new
 
+    @property
+    def _least(self) -> int:
+        """The smallest budget a cut or the line may leave: the floor, within the cap, at least 1."""
+        return max(1, min(self.floor, self.cap))
+
     def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0) -> int:
         """Re-decide the budget (at most once per `period_s`) for streams that need `target_s`
         per token (None: no stream in flight has a TBT target); `inflight`: what the replica holds."""
@@ -183,14 +188,14 @@ class CapacityLearner:
             reach = seen + max(1, seen // 8)
             if inflight >= self.budget:
                 reach = max(reach, self.budget + max(1, self.budget // 8))
-            self.budget = max(min(self.floor, self.cap), min(by_fit, self.cap, max(self.budget, reach)))
+            self.budget = max(self._least, min(by_fit, self.cap, max(self.budget, reach)))
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
         # plainly wrong, and after a cut judge on fresh evidence only.
         pace, over = (self.pace, target_s) if self.fit is None else (self.sustained if self._since_cut >= 10 else None, 1.25 * target_s)
         self._since_cut += 1
         if pace is not None and pace > over and len(recent) >= 10:
-            self.budget = min(self.budget, max(1, self.floor, int(inflight * 0.8)))  # multiplicative decrease
+            self.budget = min(self.budget, max(self._least, int(inflight * 0.8)))  # multiplicative decrease
             self.pace = self.sustained = None
             self._since_cut = 0
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):

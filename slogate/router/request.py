@@ -112,9 +112,10 @@ class Request:
     preemptions: int = 0
     preemptible: bool = True  # the driver can stop it and continue it later (live: a resumable stream past its first token)
     # Someone chose its TBT (live: the request, its key, tier or model; not the built-in default).
-    # Only such a request may take a slot a replica lends above its budget (scheduler.py) or be
-    # packed beside busier streams (GoRouting): one on the built-in default would slow its
-    # neighbours, or be slowed, for a pace no client asked for (guidellm, measured).
+    # Only such a request may take a slot a replica lends above its budget (scheduler.py), and with
+    # GoRouting's `pack: "chosen"` only such a request is packed beside busier streams: one on the
+    # built-in default would slow its neighbours, or be slowed, for a pace no client asked for
+    # (guidellm, measured).
     tbt_chosen: bool = True
     # Its TTFT was chosen by someone (live: the request, its key, tier or model; not the built-in
     # default): only then does GMAX's `strict_ttft` shed it once its first token cannot be on time.
