@@ -45,7 +45,8 @@ def generated(url: str) -> float:
 def test_gateway_in_front_of_real_vllm(vllm: str) -> None:
     cfg = GatewayConfig.model_validate({"backends": [{"url": vllm, "priority_scheduling": True, "budget": 8}],
                                         "tiers": {"default": {}, "high": {"weight": 2}}, "health_interval_s": 0.5})
-    with ServerThread(create_app(cfg)) as gw:
+    app = create_app(cfg)
+    with ServerThread(app) as gw:
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny"]  # discovered from vLLM
         r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=16,
@@ -55,9 +56,16 @@ def test_gateway_in_front_of_real_vllm(vllm: str) -> None:
                                                 stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True, "slo": {"ttft_ms": 5000, "tbt_ms": 200}}))
         assert chunks[-1].usage.completion_tokens == 24
-        # the gateway asks vLLM for usage in every chunk (its per-token timing) and strips it for
-        # a client that asked only for the final count
+        # the gateway asks vLLM for usage in every chunk (its per-token timing) until vLLM has
+        # shown that its chunks carry token ids, then counts by those; the client that asked only
+        # for the final count sees neither
         assert all(ch.usage is None for ch in chunks[:-1]) and sum(bool(ch.choices and ch.choices[0].delta.content) for ch in chunks) > 0
+        assert app.state.gateway.fleet.backends[0].gives_ids
+        chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=24, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True, "slo": {"ttft_ms": 5000, "tbt_ms": 200}}))
+        assert chunks[-1].usage.completion_tokens == 24 and all(ch.usage is None for ch in chunks[:-1])
+        assert all(getattr(ch.choices[0], "token_ids", None) is None for ch in chunks if ch.choices)
         assert c.completions.create(model="tiny", prompt="def f(", max_tokens=8, extra_body={"ignore_eos": True, "priority": 1}).usage.completion_tokens == 8
         # a client that leaves mid-stream frees vLLM's slot: its sequence is aborted, not run to
         # its 2,000 tokens. (Not judged by the running gauge during the stream: the tiny model

@@ -44,6 +44,7 @@ class Backend:
     headers: dict[str, str] = field(init=False)  # what every request to it carries (its API key)
     state: str = "active"  # active | draining (leaving once idle) | drained (held out by an operator)
     max_len: int | None = None  # its context length (vLLM's /v1/models `max_model_len`); 0: not told
+    gives_ids: bool = False  # its streams carried token ids when asked: they count each chunk's tokens
 
     def __post_init__(self) -> None:
         self.use(self.cfg)

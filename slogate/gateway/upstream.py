@@ -87,13 +87,15 @@ class Upstream:
             body["priority"] = res.vllm_priority if res.vllm_priority is not None else -round(res.tier.weight * 10)
         else:
             body.pop("priority", None)
+        by_ids_count = ex.text is not None and b.cfg.kind == "vllm" and b.gives_ids  # each chunk's token ids count its tokens
         if ex.stream and ex.kind != "responses":
             so = dict(body.get("stream_options") or {})
             so["include_usage"] = True  # exact token counts
-            if b.cfg.kind != "openai":
+            if b.cfg.kind != "openai" and not by_ids_count:
                 # The running count in every chunk: an engine sends no chunk for a token that
                 # detokenizes to nothing (part of a character), so one chunk can carry several
-                # tokens, and the gaps the capacity learner measures must be per token.
+                # tokens, and the gaps the capacity learner measures must be per token. (Where
+                # the chunks carry their token ids these count them: no usage to strip per token.)
                 so["continuous_usage_stats"] = True
             body["stream_options"] = so
         ex.upstream_kind, ex.again = None, ""  # per attempt: only a continuation by ids makes text again
@@ -275,6 +277,10 @@ class Upstream:
                     # Several tokens in one chunk (see `body`), or none new: a continuation making
                     # again the tokens after its last whole character.
                     info.tokens = max(info.usage_out - t.req.generated, 0)
+                elif ids is not None and info.ids is not None:
+                    # The same from the chunk's token ids (the ids so far may have been cut back to
+                    # a continuation's start, whose tokens it makes again: those are not new).
+                    info.tokens = max(len(ids) + len(info.ids) - t.req.generated, 0)
                 if ex.text is not None and (info.tokens or info.text):
                     # (text without new tokens: what a continuation makes again of a character
                     # the engine had held back; see `body`)
@@ -306,6 +312,7 @@ class Upstream:
                         ex.prompt_ids, ex.head = info.prompt_ids, info.head
                     if info.ids:
                         ids.extend(info.ids)
+                        b.gives_ids = True  # from its next request on, no running usage in every chunk
                         if whole and len(info.ids) == 1 and ex.text is not None:
                             # One token whose step made text: nothing held back, a continuation
                             # may start here. (A chunk of several, merged by a busy engine, may
