@@ -87,11 +87,11 @@ class Upstream:
             body["priority"] = res.vllm_priority if res.vllm_priority is not None else -round(res.tier.weight * 10)
         else:
             body.pop("priority", None)
-        by_ids_count = ex.text is not None and b.cfg.kind == "vllm" and b.gives_ids  # each chunk's token ids count its tokens
+        with_ids = ex.text is not None and b.cfg.kind == "vllm"  # asked for its token ids (below)
         if ex.stream and ex.kind != "responses":
             so = dict(body.get("stream_options") or {})
             so["include_usage"] = True  # exact token counts
-            if b.cfg.kind != "openai" and not by_ids_count:
+            if b.cfg.kind != "openai" and not (with_ids and b.gives_ids):
                 # The running count in every chunk: an engine sends no chunk for a token that
                 # detokenizes to nothing (part of a character), so one chunk can carry several
                 # tokens, and the gaps the capacity learner measures must be per token. (Where
@@ -99,7 +99,7 @@ class Upstream:
                 so["continuous_usage_stats"] = True
             body["stream_options"] = so
         ex.upstream_kind, ex.again = None, ""  # per attempt: only a continuation by ids makes text again
-        if ex.text is not None and b.cfg.kind == "vllm":
+        if with_ids:
             # Its token ids too: a continuation from them is exact (gateway/resume.py).
             if ex.ids is None:
                 ex.ids, ex.hide_ids = array("l"), not body.get("return_token_ids")  # 8 bytes a token, not ~36
