@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from array import array
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -10,11 +12,13 @@ from helpers import view
 from slogate.gateway.admission import Admission, Ticket
 from slogate.gateway.config import GatewayConfig, WorkflowsConfig
 from slogate.gateway.errors import APIError
-from slogate.gateway.exchange import Exchange
+from slogate.gateway.exchange import AnswerText, Exchange
+from slogate.gateway.fleet import Backend
 from slogate.gateway.pacing import Pacer, paced
 from slogate.gateway.resume import by_ids, continued, ids_body
 from slogate.gateway.slo import resolve
 from slogate.gateway.sse import hide_ids, inspect
+from slogate.gateway.upstream import Upstream
 from slogate.gateway.workflows import WorkflowBook
 from slogate.router.registry import make_ordering, make_placement
 from slogate.router.request import SLO, Request, SLOClass
@@ -242,3 +246,33 @@ def test_a_continuation_from_token_ids_is_the_engines_own_sequence() -> None:
     assert continued(b"data: [DONE]\n\n", ex) == b"data: [DONE]\n\n"
     ex.kind = "completions"  # a legacy completion keeps its shape, under the first attempt's id
     assert orjson.loads(continued(cont, ex)[6:])["id"] == "chatcmpl-a"
+
+
+def test_a_stream_is_counted_by_token_ids_only_where_they_cover_its_whole_answer() -> None:
+    """A vLLM replica that has shown token ids is not asked for the running usage in every chunk
+    (the ids count each chunk's tokens), except for an answer resumed from an attempt that gave
+    none (a mixed fleet): its ids start mid-answer and cannot count it, so the usage must."""
+    cfg = GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1", "kind": "vllm"}]})
+    up = Upstream(cfg, None, None)  # type: ignore[arg-type]
+    b = Backend(cfg.backends[0], view(), "v")
+    b.gives_ids = True
+
+    def asked(ex: Exchange) -> dict:
+        ex.res = SimpleNamespace(body={"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 50})
+        return up.body(b, ex)
+
+    fresh = Exchange("chat", None, None, None, ("m", "t", "c"), True, False, text=AnswerText())  # type: ignore[arg-type]
+    got = asked(fresh)
+    assert got["return_token_ids"] and not got["stream_options"].get("continuous_usage_stats"), got
+    # Resumed after 5 tokens made on an SGLang replica (no ids): text continuation, usage per chunk.
+    mixed = Exchange("chat", None, None, None, ("m", "t", "c"), True, False, text=AnswerText(), resumed=5)  # type: ignore[arg-type]
+    mixed.text.write("abcde")  # type: ignore[union-attr]
+    got = asked(mixed)
+    assert got["stream_options"]["continuous_usage_stats"] and got["max_tokens"] == 45, got
+    # Resumed after 2 tokens whose ids the gateway has: continued by ids, counted by them.
+    whole = Exchange("chat", None, None, None, ("m", "t", "c"), True, False, text=AnswerText(), resumed=2)  # type: ignore[arg-type]
+    whole.ids, whole.prompt_ids, whole.ids_whole = array("l", [5, 6]), [1, 2, 3], 2
+    got = asked(whole)
+    assert got["prompt"] == [1, 2, 3, 5, 6] and not got["stream_options"].get("continuous_usage_stats"), got
+    b.gives_ids = False  # not yet seen to give ids: the usage counts
+    assert asked(Exchange("chat", None, None, None, ("m", "t", "c"), True, False, text=AnswerText()))["stream_options"]["continuous_usage_stats"]  # type: ignore[arg-type]

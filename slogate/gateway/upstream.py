@@ -88,10 +88,13 @@ class Upstream:
         else:
             body.pop("priority", None)
         with_ids = ex.text is not None and b.cfg.kind == "vllm"  # asked for its token ids (below)
+        # Ids count the tokens only where they cover the whole answer so far: not after an
+        # attempt on a replica that gave none (a mixed fleet), whose tokens have no ids.
+        by_id_count = with_ids and b.gives_ids and len(ex.ids or ()) == ex.resumed
         if ex.stream and ex.kind != "responses":
             so = dict(body.get("stream_options") or {})
             so["include_usage"] = True  # exact token counts
-            if b.cfg.kind != "openai" and not (with_ids and b.gives_ids):
+            if b.cfg.kind != "openai" and not by_id_count:
                 # The running count in every chunk: an engine sends no chunk for a token that
                 # detokenizes to nothing (part of a character), so one chunk can carry several
                 # tokens, and the gaps the capacity learner measures must be per token. (Where
