@@ -116,10 +116,13 @@ def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp
         time.sleep(0.5)
         h1, q1 = engine_counters(urls)
         gw_cached = gw_prompt = None
+        shed: dict[str, float] = {}
         if system.startswith("slogate"):
             text = httpx.get(f"{rt.url}/metrics", timeout=5).text
             gw_cached = sum(v for _, v in samples(text, "slogate_prefix_cached_tokens_total"))
             gw_prompt = sum(v for _, v in samples(text, "slogate_prompt_tokens_total"))
+            for labels, v in samples(text, "slogate_shed_total"):  # why it refused what it refused
+                shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
     by_rule = {"tpot": [0, 0], "timeline": [0, 0]}
     gp = 0.0
     for r in res:
@@ -132,6 +135,7 @@ def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp
     ok = [r for r in res if r["status"] == 200 and r["times"]]
     ttft = [r["times"][0] - r["t0"] for r in ok]
     n = max(len(res), 1)
+    t_start = min((r["t0"] for r in res), default=0.0)
     return {"system": system, "sent": len(res), "completed": sum(r["status"] == 200 and len(r["times"]) >= r["n_out"] for r in res),
             "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
             "attainment_tpot": round(by_rule["tpot"][0] / n, 3), "goodput_tpot": round(by_rule["tpot"][1] / duration, 1),
@@ -139,7 +143,14 @@ def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp
             "token_goodput": round(gp / duration, 1), "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95),
             "engine_hit_rate": round((h1 - h0) / (q1 - q0), 3) if q1 > q0 else None,
             "gateway_expected_hit": round(gw_cached / gw_prompt, 3) if gw_prompt else None,
-            "router_cpu_share": round(rt.cpu_share, 3)}
+            "router_cpu_share": round(rt.cpu_share, 3), "shed": shed,
+            # whether the engines or the gateway's budgets bound the run: each engine's running
+            # requests (sampled 4× a second) and the gateway's [budget, overdraft, in flight, queued]
+            "engine_running_mean": [round(statistics.fmean(col), 2) for col in zip(*rt.running, strict=True)] if rt.running else None,
+            **rt.batches(), "state_per_second": rt.state or None,
+            # [status, tpot rule met, TTFT, sent at (s into the run), latency class]: which requests a knee loses
+            "outcomes": [[r["status"], int(met(r)["tpot"]), round(r["times"][0] - r["t0"], 3) if r["times"] else None,
+                          round(r["t0"] - t_start, 3), int(r["kind"] == "latency")] for r in res]}
 
 
 def report(path: Path) -> str:
