@@ -129,6 +129,10 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
         return p, url
     serve = [sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--port", str(port),
              "--log-level", os.environ.get("BENCH_GATEWAY_LOG", "warning")]
+    env = None
+    if "#" in system:  # slogate#TREE: the gateway from another source tree (an older commit's worktree), same sitting
+        system, tree = system.split("#", 1)
+        env = {**os.environ, "PYTHONPATH": tree}
     if system == "slogate" or system.startswith("slogate@"):  # what a user types: no config at all
         serve += [a for u in urls for a in ("--backend", u)]
         if "@" in system:  # a variant for a knob study: slogate@FILE.yaml (its backends are replaced)
@@ -142,7 +146,7 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
         serve += ["--config", str(path)]
     if os.environ.get("BENCH_GATEWAY_NICE"):  # a diagnosis: the gateway yields the CPU to the engines it shares it with
         serve = ["nice", "-n", os.environ["BENCH_GATEWAY_NICE"], *serve]
-    p = subprocess.Popen(serve, start_new_session=True)
+    p = subprocess.Popen(serve, start_new_session=True, env=env)
     wait_http(f"{url}/health", timeout=60)
     return p, url
 
@@ -569,7 +573,10 @@ def engine_bench_args(ap: argparse.ArgumentParser, rates: str, repeats: int, sys
     ap.add_argument("--rates", default=rates)
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--duration", type=float, default=40)
-    ap.add_argument("--systems", default=systems)
+    ap.add_argument("--systems", default=systems,
+                    help="comma-separated: slogate, slogate@KNOBS.yaml (a variant), slogate#TREE (the gateway from another "
+                         "source tree, e.g. an older commit's worktree, in the same sitting), vllm-router (cache_aware), "
+                         "vllm-router-rr, passthrough")
     ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "slogate" / "tiny-21m")
     ap.add_argument("--out", type=Path)
 
