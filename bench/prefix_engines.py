@@ -147,7 +147,7 @@ def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp
             # whether the engines or the gateway's budgets bound the run: each engine's running
             # requests (sampled 4× a second) and the gateway's [budget, overdraft, in flight, queued]
             "engine_running_mean": [round(statistics.fmean(col), 2) for col in zip(*rt.running, strict=True)] if rt.running else None,
-            **rt.batches(), "state_per_second": rt.state or None,
+            **rt.batches(), "state_per_second": rt.state or None, "replica_state": rt.replicas or None,
             # [status, tpot rule met, TTFT, sent at (s into the run), latency class]: which requests a knee loses
             "outcomes": [[r["status"], int(met(r)["tpot"]), round(r["times"][0] - r["t0"], 3) if r["times"] else None,
                           round(r["t0"] - t_start, 3), int(r["kind"] == "latency")] for r in res]}

