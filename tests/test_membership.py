@@ -18,6 +18,19 @@ def _fleet(*urls: str) -> Fleet:
     return Fleet(GatewayConfig.model_validate({"backends": [{"url": u, "models": ["m"], "budget": 20} for u in urls]}), Metrics())
 
 
+def test_replicas_slow_start_alone_and_begin_at_the_cap_beside_other_gateways() -> None:
+    alone = _fleet("http://a:1")
+    assert [b.view.budget for b in alone.backends] == [8]  # slow start: doubles while full and fast
+    # With shared state other gateways may hold more than 8 there already: a gateway beginning at
+    # 8 would claim nothing and measure nothing to grow by.
+    shared = Fleet(GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 20}],
+                                                 "state": {"kind": "redis"}}), Metrics())
+    assert [b.view.budget for b in shared.backends] == [20]
+    off = Fleet(GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 20}],
+                                              "capacity": {"slow_start": False}}), Metrics())
+    assert [b.view.budget for b in off.backends] == [20]
+
+
 def test_reconcile_joins_drains_revives_and_reaps() -> None:
     f = _fleet("http://a:1", "http://b:1")
     a, b = f.backends

@@ -149,7 +149,8 @@ class CapacityConfig(_Strict):
     margin: float = Field(0.85, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
     slow_start: bool = Field(True, description="A replica the gateway starts with begins at a budget of 8 and doubles it each second it is full "
                              "and measured fast, until its first cut (false: it begins at `backends[].budget`). A replica that joins a "
-                             "running fleet begins at its peers' learned budget either way.")
+                             "running fleet begins at its peers' learned budget either way; with shared state (`state.kind: redis`) "
+                             "at `backends[].budget`, since other gateways' requests may already hold more than 8 there.")
     overdraft: bool = Field(True, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
                             "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
     lend_to: float | None = Field(None, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "

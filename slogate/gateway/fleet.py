@@ -108,7 +108,10 @@ class Fleet:
             # (same engines, same traffic), not at the cap: conservative until it shows its pace.
             peers = sorted(b.view.budget for b in self.active() if b.learner is not None and b.view.healthy)
             start = min(peers[len(peers) // 2], bc.budget) if peers and not checked else None
-            learner = CapacityLearner(bc.budget, start=start, slow_start=cfg.capacity.slow_start, margin=cfg.capacity.margin,
+            # Not with shared state: a gateway joining others would begin below what their
+            # requests hold there, claim nothing and measure nothing to grow by.
+            slow = cfg.capacity.slow_start and cfg.state.kind == "memory"
+            learner = CapacityLearner(bc.budget, start=start, slow_start=slow, margin=cfg.capacity.margin,
                                       overdraft_on=cfg.capacity.overdraft,
                                       lend_to=cfg.capacity.lend_to)
         view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
