@@ -70,7 +70,7 @@ def test_every_auth_status_in_the_openai_shape() -> None:
         assert httpx.get(f"{gw.url}/admin/state").status_code == 401
         assert httpx.get(f"{gw.url}/admin/state", headers={"authorization": f"Bearer {GOLD}"}).status_code == 401
         st_ = httpx.get(f"{gw.url}/admin/state", headers={"authorization": f"Bearer {ADMIN}"})
-        assert st_.status_code == 200 and st_.json()["replicas"][0]["budget"] == 16
+        assert st_.status_code == 200 and st_.json()["replicas"][0]["budget"] == 8  # slow start: 8 of the 16 configured, light load
         # the key's tenant is what GMAX's fairness blend accounts service to
         served = app.state.gateway.groups[MODEL].scheduler.ordering.served
         assert set(served) >= {"acme", "bob"}
