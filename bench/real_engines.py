@@ -253,6 +253,33 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(sorted(xs)[int(q * (len(xs) - 1))], 4) if xs else None
 
 
+ENGINE_PIDS: list[int] = []  # each replica's API server process (set once the engines are up)
+
+
+def engine_cpu() -> list[tuple[float, float]]:
+    """Each engine's CPU seconds so far: (its API server process, its children: the EngineCore)."""
+    out = []
+    for pid in ENGINE_PIDS:
+        kids: list[int] = []
+        todo = [pid]
+        while todo:
+            p = todo.pop()
+            for task in Path(f"/proc/{p}/task").glob("*"):
+                with contextlib.suppress(OSError):
+                    found = [int(c) for c in (task / "children").read_text().split()]
+                    kids += found
+                    todo += found
+        core = 0.0
+        for k in kids:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                core += cpu_s(k)
+        try:
+            out.append((cpu_s(pid), core))
+        except OSError:
+            out.append((0.0, core))
+    return out
+
+
 class Routed:
     """A router under test: its URL, its CPU use per wall second from start to `done()`, the
     batches its placement gave the engines (each engine's running requests, sampled), and, for
@@ -261,7 +288,9 @@ class Routed:
     def __init__(self, proc: subprocess.Popen, url: str, engines: list[str] = ()) -> None:  # type: ignore[assignment]
         self.proc, self.url = proc, url
         self._cpu0, self._t0 = cpu_s(proc.pid), time.monotonic()
+        self._engines0 = engine_cpu()
         self.wall_s = self.cpu_share = 0.0
+        self.engine_cpu: list[list[float]] = []  # per engine: [API server, EngineCore] CPU share of one core
         self.running: list[list[float]] = []  # per sample, each engine's vllm:num_requests_running
         self.replicas: list[list[list[float]]] = []  # once a second: each replica's [budget, in flight] (slogate only)
         self.state: list[list[float]] | None = []  # once a second: the gateway's [budget, overdraft, in flight, queued] (slogate only)
@@ -295,6 +324,10 @@ class Routed:
     def done(self) -> None:
         self.wall_s = time.monotonic() - self._t0
         self.cpu_share = (cpu_s(self.proc.pid) - self._cpu0) / max(self.wall_s, 1e-9)
+        # What the engines spent meanwhile: each is pinned to one core, so its API server's work
+        # (streaming, detokenizing, answering scrapes) is time its EngineCore does not run.
+        self.engine_cpu = [[round((a1 - a0) / self.wall_s, 3), round((c1 - c0) / self.wall_s, 3)]
+                           for (a0, c0), (a1, c1) in zip(self._engines0, engine_cpu(), strict=False)]
         self._stop.set()
 
     def batches(self) -> dict[str, float | None]:
@@ -368,7 +401,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "ideal_output_tokens": round(sum(r["n_out"] for r in res) / duration, 1),
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tpot_p50": pct(tpots, 0.5), "tpot_p90": pct(tpots, 0.9),
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
-            "router_cpu_share": round(rt.cpu_share, 3), "wall_s": round(rt.wall_s, 1), **rt.batches(),
+            "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, "wall_s": round(rt.wall_s, 1), **rt.batches(),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None,
             "budget_per_second": budgets or None, "shed": shed,  # where a run's budget settles, and when (the knee's wrong refusals)
             "state_per_second": state or None,  # [budget, overdraft, in flight, queued], fleet sums
@@ -428,7 +461,7 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             "ttft_p50_ms": p("time_to_first_token_ms", "p50"), "ttft_p90_ms": p("time_to_first_token_ms", "p90"),
             "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
             "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
-            "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3), "guidellm_reruns": reruns,
+            "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, "guidellm_reruns": reruns,
             "flooded": flooded, **rt.batches(), "state_per_second": rt.state or None, "replica_state": rt.replicas or None,
             "engine_running": rt.running}
 
@@ -476,7 +509,7 @@ def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, t
             "ttft_p90_ms": pct([1000 * x for x, e in zip(d["ttfts"], d["errors"], strict=False) if not e], 0.9),
             "itl_p50_ms": pct([1000 * g for it in d["itls"] for g in it], 0.5), "itl_p90_ms": pct([1000 * g for it in d["itls"] for g in it], 0.9),
             "itl_p99_ms": pct([1000 * g for it in d["itls"] for g in it], 0.99), "tpot_p50_ms": pct([1000 * t for t in tpots], 0.5),
-            "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3), **rt.batches()}
+            "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, **rt.batches()}
 
 
 def report_guidellm(rows: list[dict]) -> list[str]:
@@ -494,14 +527,18 @@ def report_guidellm(rows: list[dict]) -> list[str]:
                          f"{med(r['itl_p50_ms'] or 0 for r in rs):.1f}, {med(r['itl_p90_ms'] or 0 for r in rs):.1f} ms")
         out.append(f"| {rate:g} req/s | " + " | ".join(cells) + " |")
     batches = any("engine_batch_per_token" in r for r in rows)  # sampled since the placement diagnosis
+    engines = any(r.get("engine_cpu") for r in rows)
     out += ["", "| repeat | rate | system | sent | successful / incomplete / errored | attainment | goodput | TTFT p50 / p90 ms | "
-                "ITL p50 / p90 / p99 ms | TPOT p50 ms | router CPU |" + (" engine batch a token saw / spread |" if batches else ""),
-            "|---:|---:|---|---:|---|---:|---:|---|---|---:|---:|" + ("---|" if batches else "")]
+                "ITL p50 / p90 / p99 ms | TPOT p50 ms | router CPU |" + (" engine batch a token saw / spread |" if batches else "")
+                + (" engines' CPU: API servers / EngineCores |" if engines else ""),
+            "|---:|---:|---|---:|---|---:|---:|---|---|---:|---:|" + ("---|" if batches else "") + ("---|" if engines else "")]
     for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
         out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['successful']} / {r['incomplete']} / {r['errored']} | "
                    f"{100 * r['slo_attainment']:.0f}% | {r['goodput_tokens']:.0f} tok/s | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} | "
                    f"{r['itl_p50_ms']} / {r['itl_p90_ms']} / {r['itl_p99_ms']} | {r['tpot_p50_ms']} | {100 * r['router_cpu_share']:.1f}% |"
-                   + (f" {r.get('engine_batch_per_token')} / {r.get('engine_spread')} |" if batches else ""))
+                   + (f" {r.get('engine_batch_per_token')} / {r.get('engine_spread')} |" if batches else "")
+                   + (" " + " + ".join(f"{100 * a:.0f}%" for a, _ in r.get("engine_cpu") or []) + " / "
+                      + " + ".join(f"{100 * c:.0f}%" for _, c in r.get("engine_cpu") or []) + " |" if engines else ""))
     return out
 
 
@@ -605,6 +642,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     model = build_model(a.vllm_python, a.model_dir)
     procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp)
+    ENGINE_PIDS[:] = [p.pid for p in procs]
     rows = []
     try:
         # A fresh engine's first requests run slow (allocation, caches): warm every replica with
