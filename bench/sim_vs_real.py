@@ -212,6 +212,52 @@ def compare(profile: dict, real: dict, replicas: int, anchored: bool = False) ->
     return "\n".join(out)
 
 
+PEERS = ("vllm-router-rr", "vllm-router")  # systems whose code never changed between sittings
+
+
+def validate(profile: dict, paths: list[Path], replicas: int) -> str:
+    """The anchors tried on every stored sitting, judged on the peers only: the simulator runs
+    today's slogate, so an older sitting's slogate rows are no test of it, but vllm-router's
+    rules are the same in every sitting. Per cell: real median attainment (timeline rule) at each
+    rate above the anchoring one, and the simulator's error with one κ from TTFT (the former
+    anchor) and with κ_p / κ_d apart. Sittings whose quietest rate is not below every system's
+    knee (no run at it attains 80%) cannot anchor anything and are left out."""
+    out = ["| sitting | system | rate | real | one κ (TTFT) | κ_p / κ_d |", "|---|---|---:|---:|---:|---:|"]
+    errs: dict[str, list[float]] = {"one": [], "two": []}
+    for path in paths:
+        real = json.loads(path.read_text())
+        rows = [r for r in real["rows"] if r.get("client") not in ("guidellm", "vllm-bench") and r["system"] in SYSTEMS
+                and "tpot_p50" in r]
+        if not rows:
+            continue
+        duration, low = float(real["config"].get("duration", 40)), min(r["rate"] for r in rows)
+        if max(r["attainment_timeline"] for r in rows if r["rate"] == low) < 0.8:
+            continue
+        kp, kd = anchor(profile, rows, low, duration, replicas)
+        quiet = [r for r in rows if r["rate"] == low]
+        k1 = statistics.median(r["ttft_p50"] / sim_run(profile, arrivals(low, duration, r["seed"]), duration, r["system"], replicas,
+                                                       r["seed"])["ttft_p50"] for r in quiet)
+        for system in PEERS:
+            for rate in sorted({r["rate"] for r in rows if r["rate"] > low}):
+                rs = [r for r in rows if r["rate"] == rate and r["system"] == system]
+                if not rs:
+                    continue
+                rm = statistics.median(r["attainment_timeline"] for r in rs)
+                one, two = (statistics.median(sim_run(prof, arrivals(rate, duration, r["seed"]), duration, system, replicas, r["seed"])
+                                              ["slo_attainment"]["all"] for r in rs) - rm
+                            for prof in (scaled(profile, k1), scaled(profile, kp, kd)))
+                errs["one"].append(abs(one))
+                errs["two"].append(abs(two))
+                out.append(f"| {path.stem.removeprefix('real_engines_')} (κ {k1:.2f}; {kp:.2f} / {kd:.2f}) | {system} | {rate:g} | "
+                           f"{100 * rm:.0f}% | {100 * one:+.0f} | {100 * two:+.0f} |")
+    for k, label in (("one", "one κ"), ("two", "κ_p / κ_d")):
+        e = errs[k]
+        if e:
+            out.append(f"\n{label}: mean |error| {100 * statistics.mean(e):.1f} points over {len(e)} cells, "
+                       f"{sum(x <= 0.1 + 1e-9 for x in e)} within 10")
+    return "\n".join(out)
+
+
 def sweep(profile: dict, kappa: float, rates: list[float], seeds: int, systems: list[str], replicas: int, duration: float,
           client: str = "ours") -> tuple[str, list[dict]]:
     """Each system on the benchmark's arrivals for `seeds` seeds per rate, on the engines of the
@@ -270,6 +316,10 @@ def main() -> None:
     c.add_argument("--anchor", action="store_true", help="scale the profile so the lowest rate's TTFT p50 matches the real run's, then predict")
     c.add_argument("--slogate", default=SYSTEMS["slogate"][0], help="the policy combination the real run's slogate ran "
                    "(e.g. 'gmax?preempt=true+gorouting' for runs made while GMAX preempted by default)")
+    v = sub.add_parser("validate", help="the anchors tried on stored sittings, judged on the peers (whose code never changed)")
+    v.add_argument("--profile", type=Path, required=True)
+    v.add_argument("--real", type=Path, nargs="+", required=True)
+    v.add_argument("--replicas", type=int, default=2)
     w = sub.add_parser("sweep", help="policy combinations on the benchmark's arrivals, many seeds, calibrated engines")
     w.add_argument("--profile", type=Path, required=True)
     w.add_argument("--kappa", type=float, default=1.0, help="cost scale (compare --anchor prints the one a real run implies)")
@@ -288,6 +338,9 @@ def main() -> None:
         print(table)
         if a.out:
             a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=1))
+        return
+    if a.cmd == "validate":
+        print(validate(json.loads(a.profile.read_text()), a.real, a.replicas))
         return
     if a.cmd == "fit":
         tmp = Path(tempfile.mkdtemp())

@@ -154,11 +154,13 @@ class Gateway:
         active = self.fleet.active()
         for m in self.fleet.models():
             if m not in self.groups:
-                sched = Scheduler(make_ordering(p.ordering, seed=p.seed, **p.params), make_placement(p.placement, seed=p.seed, **p.placement_params))
+                sched = Scheduler(make_ordering(p.ordering, seed=p.seed, **p.params), make_placement(p.placement, seed=p.seed, **p.placement_params),
+                                  at_risk_s=self.cfg.capacity.overdraft_within_s)
                 self.groups[m] = adm = Admission(sched, [], hooks=_Hooks(m, self.metrics, self.state), max_queue=self.cfg.max_queue,
                                                  frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)
                 adm.start()
         for m, adm in self.groups.items():
+            adm.scheduler.at_risk_s = self.cfg.capacity.overdraft_within_s  # (a reload may change it)
             views = [b.view for b in active if m in b.models]
             if views != adm.views:
                 adm.set_views(views)

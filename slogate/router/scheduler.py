@@ -27,9 +27,10 @@ class Scheduler:
     """Pure: `schedule` reads the views, claims slots on them for what it dispatches, and
     returns the decisions; the driver carries them out."""
 
-    def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy) -> None:
+    def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy, at_risk_s: float = AT_RISK_S) -> None:
         self.ordering = ordering
         self.placement = placement
+        self.at_risk_s = at_risk_s  # a first token due within this (beyond its prefill) may take an overdraft slot
 
     @classmethod
     def from_combo(cls, combo: str, seed: int = 0) -> Scheduler:
@@ -94,7 +95,7 @@ class Scheduler:
         if not pool:
             return []
         risky = [r for r in waiting if r.kind is SLOClass.LATENCY and r.tbt_chosen and not r.generated and r.slo.ttft_s is not None]
-        risky = sorted((s, r.rid, r) for r in risky if 0 <= (s := spare(r)) <= AT_RISK_S)
+        risky = sorted((s, r.rid, r) for r in risky if 0 <= (s := spare(r)) <= self.at_risk_s)
         out: list[tuple[Request, int]] = []
         for p in replicas:
             p.budget += p.overdraft  # placement sees the lent slots as free for this pass only
