@@ -160,7 +160,6 @@ class Gateway:
                                                  frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)
                 adm.start()
         for m, adm in self.groups.items():
-            adm.scheduler.at_risk_s = self.cfg.capacity.overdraft_within_s  # (a reload may change it)
             views = [b.view for b in active if m in b.models]
             if views != adm.views:
                 adm.set_views(views)
