@@ -121,25 +121,29 @@ def scaled(profile: dict, kappa: float, kappa_decode: float | None = None) -> di
     return {**profile, "coeffs": {k: v * (kappa if k in PREFILL_COEFFS else kd) for k, v in profile["coeffs"].items()}}
 
 
-def anchor(profile: dict, rows: list[dict], rate: float, duration: float, replicas: int) -> tuple[float, float]:
-    """(κ prefill, κ decode) from the quietest rate alone: the decode step's from real over
-    simulated TPOT p50, then the prefill's from real over simulated TTFT p50 with that decode
-    step (a first token waits for the steps of the streams beside it). One κ for both, from TTFT,
-    left the simulated decode 25–40% faster than real at that very rate (sitting U: TPOT p50
-    20–26 ms real, 15–21 simulated). Only that rate is used; the other rates are predictions."""
+def anchor(profile: dict, rows: list[dict], rate: float, duration: float, replicas: int) -> tuple[float, float, float]:
+    """(κ prefill, κ decode, κ from TTFT alone) from the quietest rate alone: the decode step's
+    from real over simulated TPOT p50, then the prefill's from real over simulated TTFT p50 with
+    that decode step (a first token waits for the steps of the streams beside it). The third is
+    the former single κ (real over simulated TTFT p50 on the unscaled profile), from the same
+    simulated runs, for comparison. One κ for both left the simulated decode 25–40% faster than
+    real at that very rate (sitting U: TPOT p50 20–26 ms real, 15–21 simulated). Only that rate is
+    used; the other rates are predictions."""
     runs = [r for r in rows if r["rate"] == rate and r.get("ttft_p50") and r.get("tpot_p50")]
 
-    def ratio(prof: dict, real_key: str, sim_key: str) -> float:
-        rs = []
+    def ratios(prof: dict, keys: tuple[tuple[str, str], ...]) -> list[float]:
+        """Per (real key, simulated key): the median over the runs of real / simulated."""
+        per: list[list[float]] = [[] for _ in keys]
         for r in runs:
             res = sim_run(prof, arrivals(rate, duration, r["seed"]), duration, r["system"], replicas, r["seed"])
-            if res.get(sim_key):
-                rs.append(r[real_key] / res[sim_key])
-        return statistics.median(rs) if rs else 1.0
+            for acc, (real_key, sim_key) in zip(per, keys, strict=True):
+                if res.get(sim_key):
+                    acc.append(r[real_key] / res[sim_key])
+        return [statistics.median(acc) if acc else 1.0 for acc in per]
 
-    kd = ratio(profile, "tpot_p50", "itl_p50")
-    kp = ratio(scaled(profile, 1.0, kd), "ttft_p50", "ttft_p50")
-    return kp, kd
+    kd, k1 = ratios(profile, (("tpot_p50", "itl_p50"), ("ttft_p50", "ttft_p50")))
+    (kp,) = ratios(scaled(profile, 1.0, kd), (("ttft_p50", "ttft_p50"),))
+    return kp, kd, k1
 
 
 def plain_arrivals(rate: float, duration: float, seed: int, lengths: tuple[int, int] = PLAIN_LENGTHS) -> list[dict]:
@@ -188,7 +192,7 @@ def compare(profile: dict, real: dict, replicas: int, anchored: bool = False) ->
     out = []
     if anchored:
         low = min(r["rate"] for r in rows)
-        kp, kd = anchor(profile, rows, low, duration, replicas)
+        kp, kd, _ = anchor(profile, rows, low, duration, replicas)
         profile = scaled(profile, kp, kd)
         out += [f"Anchored at {low:g} req/s: prefill costs × κ_p = {kp:.2f}, decode × κ_d = {kd:.2f} (real TPOT p50 and TTFT p50 / "
                 "simulated, that rate only).", ""]
@@ -233,10 +237,7 @@ def validate(profile: dict, paths: list[Path], replicas: int) -> str:
         duration, low = float(real["config"].get("duration", 40)), min(r["rate"] for r in rows)
         if max(r["attainment_timeline"] for r in rows if r["rate"] == low) < 0.8:
             continue
-        kp, kd = anchor(profile, rows, low, duration, replicas)
-        quiet = [r for r in rows if r["rate"] == low]
-        k1 = statistics.median(r["ttft_p50"] / sim_run(profile, arrivals(low, duration, r["seed"]), duration, r["system"], replicas,
-                                                       r["seed"])["ttft_p50"] for r in quiet)
+        kp, kd, k1 = anchor(profile, rows, low, duration, replicas)
         for system in PEERS:
             for rate in sorted({r["rate"] for r in rows if r["rate"] > low}):
                 rs = [r for r in rows if r["rate"] == rate and r["system"] == system]
