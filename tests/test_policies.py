@@ -62,10 +62,11 @@ def test_gmax_delta_ends_starvation_of_a_low_density_best_effort_request():
     def newcomer(now):
         return req(2, arrival=now, inp=1000, bound=20)
 
-    # Without JIT urgency only δ can lift the best-effort request over dense newcomers.
-    starving = GMAX(delta=0.0, preempt=False, jit=False)
+    # Without JIT urgency only δ can lift the best-effort request over dense newcomers (with
+    # best effort ranked by density, the paper's rule; by default it goes last, below).
+    starving = GMAX(delta=0.0, preempt=False, jit=False, best_effort_last=False)
     assert all(starving.select(t, [be, newcomer(t)], 1, reps).dispatch[0].rid == 2 for t in (1.0, 600.0, 3000.0))
-    lifted = GMAX(delta=50.0, preempt=False, jit=False)
+    lifted = GMAX(delta=50.0, preempt=False, jit=False, best_effort_last=False)
     assert lifted.select(1.0, [be, newcomer(1.0)], 1, reps).dispatch[0].rid == 2
     assert lifted.select(600.0, [be, newcomer(600.0)], 1, reps).dispatch[0].rid == 1
 
@@ -78,6 +79,23 @@ def test_gmax_best_effort_becomes_urgent_near_its_default_deadline_and_is_never_
     late = g.select(590.0, [be, req(3, arrival=590.0, inp=1000, bound=20)], 1, reps)
     assert late.dispatch[0].rid == 1
     assert g.select(5000.0, [be], 1, reps).shed == []
+
+
+def test_gmax_gives_a_slot_to_best_effort_only_when_no_request_with_an_slo_waits():
+    # A long best-effort answer half done: by goodput density (all its tokens for the rest of its
+    # run) it outranks a fresh deadline request that has time to spare, and a latency one.
+    be = req(1, arrival=0.0, inp=100, slo=SLO.best_effort(600.0), bound=300)  # 300 more to go
+    be.generated = 1200
+    dl = req(2, arrival=5.0, inp=100, bound=300)
+    lat = req(3, arrival=5.0, inp=100, slo=SLO.latency(1.0, 0.05), bound=150)
+    reps = [view(budget=1)]
+    assert GMAX(preempt=False, best_effort_last=False).select(5.0, [be, dl, lat], 1, reps).dispatch == [be]
+    g = GMAX(preempt=False)  # the default: best effort last
+    assert g.select(5.0, [be, dl, lat], 1, reps).dispatch[0].rid != 1
+    assert [r.rid for r in g.select(5.0, [be, dl, lat], 3, [view(budget=3)]).dispatch][-1] == 1  # spare slots still go to it
+    assert g.select(5.0, [be], 1, reps).dispatch == [be]
+    # Near its default deadline it is urgent and goes first: best effort is never starved.
+    assert g.select(599.0, [be, req(4, arrival=599.0, inp=100, bound=300)], 1, reps).dispatch == [be]
 
 
 def test_gmax_jit_serves_the_request_that_must_start_now_before_a_denser_one_with_slack():
