@@ -24,6 +24,8 @@ more than the pauses gained (docs/benchmarks.md, "Slack-aware preemption"). `yie
 the same for deadline, compound and best-effort answers that still end by their deadline (at
 their length bound) after the waiting request's whole run (off by default, for the same reason on trace mixes). Whoever a preemption freed a
 slot for gets that slot first.
+Best effort goes last (`best_effort_last`, on): spare slots go to requests with an SLO first,
+then to best effort, which loses nothing by waiting (docs/benchmarks.md, "Best effort last").
 Requests whose SLO can no longer earn anything are shed (the gateway answers 429); with
 `strict_ttft` (the default) that includes a latency request not yet started whose first token can
 no longer come by its TTFT (where someone chose that TTFT), as users' tools judge it.
@@ -244,9 +246,9 @@ class GMAX(OrderingPolicy):
                     groups = [rest[~be], rest[be]]
                 else:
                     groups = [rest]
-                for rest in groups:
-                    if rest.size and len(picked) < slots:
-                        second = self._group(rest, prio, waiting, slots - len(picked))
+                for group in groups:
+                    if group.size and len(picked) < slots:
+                        second = self._group(group, prio, waiting, slots - len(picked))
                         chosen += second
                         picked += [waiting[i] for i in second]
             sel.dispatch = picked
