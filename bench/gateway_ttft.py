@@ -28,14 +28,15 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_engines as R
 
+from slogate.testing.loadgen import stream_once
 from slogate.testing.prom import samples
 
 HISTOGRAMS = ("slogate_ttft_seconds", "slogate_queue_wait_seconds", "slogate_gateway_overhead_seconds")
@@ -70,17 +71,6 @@ def poisson(urls: list[str], tmp: Path, systems: list[str], rate: float, duratio
     return rows
 
 
-async def _first_token(c: httpx.AsyncClient, url: str, body: dict) -> float:
-    t0, first = time.monotonic(), None
-    async with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            if first is None and line.startswith("data:") and '"content"' in line:
-                d = json.loads(line[5:])
-                if d.get("choices") and (d["choices"][0].get("delta") or {}).get("content"):
-                    first = time.monotonic() - t0
-    return first if first is not None else float("nan")
-
-
 async def _background(url: str, stop: asyncio.Event) -> None:
     async with httpx.AsyncClient(timeout=120) as c:
         i = 0
@@ -100,14 +90,15 @@ async def _probe(targets: dict[str, tuple[str, dict]], rounds: int, background: 
         await asyncio.sleep(3)
     rng = random.Random(0)
     res: dict[str, list[float]] = {k: [] for k in targets}
-    async with httpx.AsyncClient(timeout=60) as c:
+    async with aiohttp.ClientSession() as c:
         for i in range(rounds):
             text = " ".join(rng.choice(WORDS) for _ in range(400))
             for name in list(targets) if i % 2 == 0 else list(targets)[::-1]:  # no target always first
                 url, extra = targets[name]
                 # The target's name first: no prompt shares a cached block with another.
                 body = {"model": "tiny", "messages": [{"role": "user", "content": f"{name} {i} {text}"}], "max_tokens": 4, "stream": True, **extra}
-                res[name].append(await _first_token(c, url, body))
+                r = await stream_once(c, url + "/v1/chat/completions", body, 60)
+                res[name].append(r.first_token - r.started if r.first_token is not None else float("nan"))
                 await asyncio.sleep(0.05)
     stop.set()
     for t in bg:

@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from slogate.router.latency import DEFAULT_PROFILE
+from slogate.router.scheduler import AT_RISK_S
 
 
 class _Strict(BaseModel):
@@ -153,7 +154,7 @@ class CapacityConfig(_Strict):
                              "at `backends[].budget`, since other gateways' requests may already hold more than 8 there.")
     overdraft: bool = Field(True, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
                             "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
-    overdraft_within_s: float = Field(0.5, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "
+    overdraft_within_s: float = Field(AT_RISK_S, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "
                                       "this many seconds beyond what its prefill takes (until then it waits for a slot to free).")
     lend_to: float | None = Field(None, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")

@@ -241,12 +241,8 @@ class GMAX(OrderingPolicy):
             chosen = list(first)
             if len(picked) < slots:
                 rest = alive[~np.isin(alive, chosen)]
-                if self.best_effort_last and rest.size:
-                    be = st[rest, 0] == BEST_EFFORT_CODE
-                    groups = [rest[~be], rest[be]]
-                else:
-                    groups = [rest]
-                for group in groups:
+                be = st[rest, 0] == BEST_EFFORT_CODE
+                for group in ([rest[~be], rest[be]] if self.best_effort_last else [rest]):
                     if group.size and len(picked) < slots:
                         second = self._group(group, prio, waiting, slots - len(picked))
                         chosen += second
