@@ -156,8 +156,11 @@ def plain_arrivals(rate: float, duration: float, seed: int, lengths: tuple[int, 
 
 
 def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:
-    # A named system, or any policy combination run as slogate runs it (learned budgets capped at 48).
+    # A named system, or any policy combination run as slogate runs it (learned budgets capped at 48);
+    # `NAME@FIELD=VALUE` sets one of the simulated gateway's EngineConfig fields (a knob), e.g. slogate@capacity_lend_now_below=0.7.
+    system, _, knob = system.partition("@")
     combo, learn, budget, overdraft = SYSTEMS.get(system, (system, True, 48, True))
+    extra = {knob.split("=")[0]: float(knob.split("=")[1])} if knob else {}
     k = profile["prompt_tokens_per_n_in"]
     jobs = []
     for a in reqs:
@@ -169,7 +172,7 @@ def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, repli
         jobs.append(Job(a["at"], SLOClass.LATENCY if a["kind"] == "latency" else SLOClass.DEADLINE, Tier(), slo, n_in, a["n_out"]))
     wl = Workload(jobs=jobs, span_s=duration, output_lengths=[a["n_out"] for a in reqs])
     eng = EngineConfig(LatencyCoeffs(**profile["coeffs"]), max_num_seqs=256, max_batched_tokens=2048, kv_capacity_tokens=KV_TOKENS,
-                       budget=budget, learn_budget=learn, capacity_overdraft=overdraft)
+                       budget=budget, learn_budget=learn, capacity_overdraft=overdraft, **extra)
     est = make_estimator("mean", wl.output_lengths, seed)
     sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=seed), est, eng, n_replicas=replicas)
     res = sim.run()

@@ -77,3 +77,40 @@ def test_the_gateway_hands_its_setting_to_the_scheduler() -> None:
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
         assert c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
         assert app.state.gateway.groups[model].scheduler.at_risk_s == 3
+
+
+def test_a_replica_far_below_its_pace_goal_lends_at_once_to_requests_that_could_wait() -> None:
+    """`lend_now` slots (the learner's, while the pace stays well below the goal) go to latency
+    requests with time to spare as well; the rest of the overdraft stays for first tokens about to be lost."""
+    now = 100.0
+    s = Scheduler.from_combo("gmax+gorouting")
+    spare = [req(i, arrival=now, inp=200, slo=SLO.latency(3.0, 0.05)) for i in (1, 2, 3)]  # 3 s to their first tokens
+    views = [_full(0, 2, now), _full(1, 2, now)]
+    assert s.schedule(now, spare, views).dispatch == []  # no lend_now: they wait for a slot
+    views[0].lend_now = 1
+    d = s.schedule(now, spare, views)
+    assert len(d.dispatch) == 1 and d.dispatch[0][1] == 0 and views[0].inflight == 3 and views[1].inflight == 2
+    urgent = req(9, arrival=now - 0.8, inp=200, slo=SLO.latency(1.0, 0.05))  # the overdraft beyond lend_now is still its
+    d = s.schedule(now, [spare[1], urgent], views)
+    assert [r.rid for r, _ in d.dispatch] == [9]
+    assert all(v.budget == 2 for v in views)
+
+
+def test_the_learner_lends_at_once_only_far_below_the_goal() -> None:
+    """The learner's `lend_now`: slots that keep the measured pace below `lend_now_below` × the
+    target, never more than the overdraft; none with the setting off (the default) or near the goal."""
+    from slogate.router.capacity import CapacityLearner
+
+    def learned(below: float, slow: float) -> CapacityLearner:
+        lr = CapacityLearner(48, start=10, lend_now_below=below)
+        for n in range(4, 13):  # a decode step of 10 + 2n ms, then `slow` ms more per gap (stalls)
+            for _ in range(10):
+                lr.observe(n, 0.010 + 0.002 * n + slow)
+        lr.update(1.0, 0.05, inflight=10)
+        return lr
+
+    fast = learned(0.7, 0.0)  # pace 26 ms: the lend-now goal (35 ms) is 4 streams away, the overdraft's (42.5) 8
+    assert fast.fit is not None and 0 < fast.lend_now < fast.overdraft
+    assert learned(0.0, 0.0).lend_now == 0 and learned(0.0, 0.0).overdraft == fast.overdraft
+    near = learned(0.7, 0.010)  # 10 ms of stalls a gap: 36 ms, past the lend-now goal, below the overdraft's
+    assert near.lend_now == 0 and near.overdraft > 0

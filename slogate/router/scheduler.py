@@ -87,20 +87,30 @@ class Scheduler:
         """Latency requests that would lose their first token waiting for a slot, placed (by the
         same placement) on replicas with overdraft room where that first token is still in time,
         most urgent first. What the budget's margin keeps for pace spread buys a first token
-        that is otherwise certainly lost; the learner lends it only while the replica is fast."""
+        that is otherwise certainly lost; the learner lends it only while the replica is fast.
+        Then, where a replica is far below its pace goal (its `lend_now` slots), latency requests
+        that could still wait: waiting there would only start them later."""
         def spare(r: Request) -> float:  # time to spare before its first token, on the quickest replica
             return r.ttft_deadline - min(p.first_token_at(now, r) for p in pool)
 
         pool = [p for p in replicas if p.room > 0 and p.role != "decode"]
         if not pool:
             return []
-        risky = [r for r in waiting if r.kind is SLOClass.LATENCY and r.tbt_chosen and not r.generated and r.slo.ttft_s is not None]
-        risky = sorted((s, r.rid, r) for r in risky if 0 <= (s := spare(r)) <= self.at_risk_s)
+        lat = [r for r in waiting if r.kind is SLOClass.LATENCY and r.tbt_chosen and not r.generated and r.slo.ttft_s is not None]
+        by_spare = sorted((s, r.rid, r) for r in lat if (s := spare(r)) >= 0)
+        out = self._lend(now, [r for s, _, r in by_spare if s <= self.at_risk_s], replicas, [p.overdraft for p in replicas])
+        if any(p.lend_now for p in pool):
+            out += self._lend(now, [r for s, _, r in by_spare if s > self.at_risk_s], replicas, [p.lend_now for p in replicas])
+        return out
+
+    def _lend(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView], lent: Sequence[int]) -> list[tuple[Request, int]]:
         out: list[tuple[Request, int]] = []
-        for p in replicas:
-            p.budget += p.overdraft  # placement sees the lent slots as free for this pass only
+        if not reqs:
+            return out
+        for p, x in zip(replicas, lent, strict=True):
+            p.budget += x  # placement sees the lent slots as free for this pass only
         try:
-            for _, _, req in risky:
+            for req in reqs:
                 target = self.placement.place(now, req, replicas)
                 if target is None or target.first_token_at(now, req) > req.ttft_deadline:
                     continue  # late there too: lending a slot would slow the others for nothing
@@ -109,6 +119,6 @@ class Scheduler:
                 if not any(p.free for p in replicas):
                     break
         finally:
-            for p in replicas:
-                p.budget -= p.overdraft
+            for p, x in zip(replicas, lent, strict=True):
+                p.budget -= x
         return out

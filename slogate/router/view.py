@@ -22,6 +22,7 @@ class ReplicaView:
     model: BatchLatencyModel
     budget: int = 64  # max requests the gateway keeps in flight on this replica
     overdraft: int = 0  # extra slots above it for first tokens that cannot wait (router/capacity.py)
+    lend_now: int = 0  # of those, slots any latency request may take at once (the replica is far below its pace goal)
     role: str = "both"  # "both" (co-located), "prefill" or "decode" (P/D disaggregated)
     healthy: bool = True
     prefill_queue: dict[int, Request] = field(default_factory=dict)

@@ -41,6 +41,7 @@ class EngineConfig:
     learn_budget: bool = False  # the live gateway's learned budgets (router/capacity.py), `budget` the cap
     capacity_margin: float = 0.85
     capacity_overdraft: bool = True  # lend slots above the learned budget to first tokens that cannot wait
+    capacity_lend_now_below: float = 0.0  # and to any latency request while the pace stays below this share of the target
     capacity_slow_start: bool = True  # each replica's learned budget starts at 8 and doubles while full and fast (router/capacity.py)
     prefix_index: bool = True  # the gateway tracks where each replica's prefix cache is (prefix workloads)
 
@@ -118,7 +119,8 @@ class ClusterSim:
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
         self.learners = ([CapacityLearner(engine.budget, slow_start=engine.capacity_slow_start, margin=engine.capacity_margin,
-                                          overdraft_on=engine.capacity_overdraft) for _ in range(n_replicas)]
+                                          overdraft_on=engine.capacity_overdraft, lend_now_below=engine.capacity_lend_now_below)
+                          for _ in range(n_replicas)]
                          if engine.learn_budget else None)
         for v, lr in zip(self.views, self.learners or (), strict=False):
             v.budget = lr.budget
@@ -293,7 +295,7 @@ class ClusterSim:
         total = 0
         for v, lr in zip(self.views, self.learners, strict=True):
             v.budget = max(1, learned_budget(lr, v, now))
-            v.overdraft = lr.overdraft
+            v.overdraft, v.lend_now = lr.overdraft, lr.lend_now
             total += v.budget
         self.budget_samples.append(total)
 
