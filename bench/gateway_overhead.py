@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--fixed-itl-ms", type=float, default=50.0)
     ap.add_argument("--burst", action="store_true", help="no stagger: all clients start together, so every request "
                     "arrives in a burst of CONCURRENCY simultaneous ones")
+    ap.add_argument("--knobs", default="", help="YAML lines added to slogate's config (a knob study), e.g. 'capacity: {slow_start: false}'")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     procs: list[subprocess.Popen[bytes]] = []
@@ -120,7 +121,7 @@ def main() -> None:
                     *[x for u in eng_urls for x in ("--backend", u)]])
         procs.append(pt)
         cfg = Path(tempfile.mkdtemp()) / "gw.yaml"
-        cfg.write_text("pacing: false\nbackends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: 256}}\n" for u in eng_urls))
+        cfg.write_text("pacing: false\n" + (a.knobs + "\n" if a.knobs else "") + "backends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: 256}}\n" for u in eng_urls))
         gp = free_port()
         gw = spawn(["slogate", "serve", "--config", str(cfg), "--port", str(gp), "--log-level", "warning"])
         procs.append(gw)

@@ -196,3 +196,26 @@ def test_each_learning_step_gives_placement_the_measured_cost_of_a_stream() -> N
     drive(lr, lambda n: 0.005 + 0.002 * n, 60, 0.050)
     learned_budget(lr, v, 61.0)
     assert lr.fit is not None and v.stream_cost == lr.fit[1] and abs(v.stream_cost - 0.002) < 0.0006
+
+
+def test_slow_start_doubles_between_updates_on_fresh_gaps_only() -> None:
+    """Slow start re-decides every `grow_every_s` (0.1 s), not once a second: a burst on a fresh
+    gateway waits for 8 → 64 slots a few tenths of a second, not three seconds. Each doubling
+    needs 10 gaps measured since the last one, fast; a replica busy with prefills shows none."""
+    def fine(lr: CapacityLearner, itl, steps: int, gaps_per_step: int = 10) -> list[int]:
+        out = []
+        for k in range(steps):
+            n = lr.budget
+            for _ in range(gaps_per_step):
+                lr.observe(n, itl(n))
+            out.append(lr.update(0.1 * k, 0.050, n))
+        return out
+
+    fast = CapacityLearner(cap=64)
+    b = fine(fast, lambda n: 0.001 + 0.0002 * n, 10)
+    assert b.index(64) <= 4, b  # at the cap within half a second (one doubling a second took three)
+    knee = CapacityLearner(cap=64)  # the knee at 18: the gaps at 32 are slow, so no doubling to 64 ...
+    b = fine(knee, lambda n: 0.005 + 0.002 * n, 30)
+    assert max(b) == 32 and b[-1] <= 19, b  # ... and the full update cuts it
+    stalled = CapacityLearner(cap=64)  # a few gaps a step (its new prompts' prefills stall the batch)
+    assert fine(stalled, lambda n: 0.002, 9, gaps_per_step=1) == [8] * 9  # fast, but never 10 fresh gaps between updates

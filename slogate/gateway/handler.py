@@ -125,6 +125,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._health_loop()))
         self._tasks.append(loop.create_task(self._discovery_loop()))
+        self._tasks.append(loop.create_task(self._slow_start_loop()))
         if self.state.shared:
             await self.state.sync()
             self._tasks.append(loop.create_task(self.state.sync_loop()))
@@ -180,6 +181,19 @@ class Gateway:
                     await self.reload_from_source(f"{self.watch} changed")
             except Exception:  # the loop that keeps the fleet's picture must outlive any one bug
                 log.exception("health loop step failed")
+
+    async def _slow_start_loop(self) -> None:
+        """While a replica's budget is in slow start it may double every `grow_every_s`, between
+        the health checks that re-decide budgets once a second (router/capacity.py)."""
+        while True:
+            growing = [b.learner for b in self.fleet.backends if b.learner is not None and b.learner.growing]
+            if not growing:
+                return  # only replicas present at start grow so; joining ones begin at their peers' budget
+            await asyncio.sleep(min(lr.grow_every_s for lr in growing))
+            try:
+                self.fleet.update_budgets()
+            except Exception:
+                log.exception("slow start step failed")
 
     # ------------------------------------------------------------------ membership and reload
     async def _discovery_loop(self) -> None:

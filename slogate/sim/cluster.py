@@ -161,6 +161,8 @@ class ClusterSim:
             self.now = t
             if kind == STEP:
                 self._on_step(payload)  # type: ignore[arg-type]
+                if self.learners is not None and any(lr.growing for lr in self.learners):
+                    self._update_budgets(sample=False)  # slow start may double between frames, as live (router/capacity.py)
             elif kind == ARRIVE:
                 self._on_arrival(payload)  # type: ignore[arg-type]
             else:
@@ -289,7 +291,7 @@ class ClusterSim:
             if not eng.busy:
                 self._start(eng)
 
-    def _update_budgets(self) -> None:
+    def _update_budgets(self, sample: bool = True) -> None:
         assert self.learners is not None
         now = self.now
         total = 0
@@ -297,7 +299,8 @@ class ClusterSim:
             v.budget = max(1, learned_budget(lr, v, now))
             v.overdraft, v.lend_now = lr.overdraft, lr.lend_now
             total += v.budget
-        self.budget_samples.append(total)
+        if sample:
+            self.budget_samples.append(total)
 
     def _start(self, eng: EngineSim) -> None:
         dt = eng.start_step(self.now)
