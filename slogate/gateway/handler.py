@@ -190,6 +190,8 @@ class Gateway:
             if not growing:
                 return  # only replicas present at start grow so; joining ones begin at their peers' budget
             await asyncio.sleep(min(lr.grow_every_s for lr in growing))
+            if not any(b.learner is not None and b.learner.growing and b.view.inflight >= b.view.budget for b in self.fleet.backends):
+                continue  # none full: nothing to grow for (the health check's update still runs once a second)
             try:
                 self.fleet.update_budgets()
             except Exception:
