@@ -160,7 +160,8 @@ def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, repli
     # `NAME@FIELD=VALUE` sets one of the simulated gateway's EngineConfig fields (a knob), e.g. slogate@capacity_lend_now_below=0.7.
     system, _, knob = system.partition("@")
     combo, learn, budget, overdraft = SYSTEMS.get(system, (system, True, 48, True))
-    extra = {knob.split("=")[0]: float(knob.split("=")[1])} if knob else {}
+    field, _, value = knob.partition("=")
+    extra = {field: float(value)} if knob else {}
     k = profile["prompt_tokens_per_n_in"]
     jobs = []
     for a in reqs:

@@ -204,11 +204,8 @@ class CapacityLearner:
                 self._excess = k * self._excess + sum(recent) - sum(a + b * n for n in recent_n)
                 self._held = k * self._held + sum(recent_n)
                 self.stall = max(0.0, self._excess / self._held)
-        limit = self.cap  # where slow start stops: the cap, or the line's n
+        limit = self._limit(goal)  # where slow start stops: the cap, or the line's n
         if self.fit is not None:
-            a, b = self.fit
-            slope = b + self.stall
-            by_fit = int((goal - a) / slope) if goal > a else 1
             seen = max(self.bins, default=1)
             # Trust the line where it has data; beyond it, grow a step at a time (an unseen n is
             # no evidence against a budget already there, so that one stays). A full replica
@@ -217,7 +214,6 @@ class CapacityLearner:
             reach = seen + max(1, seen // 8)
             if inflight >= self.budget:
                 reach = max(reach, self.budget + max(1, self.budget // 8))
-            limit = max(self._least, min(by_fit, self.cap))
             self.budget = max(self._least, min(limit, max(self.budget, reach)))
         # With a fit, the prefill term already follows the pace; a burst of long prompts is
         # transient and the TTFT slack absorbs it. Cut hard only where the model is missing or
@@ -257,13 +253,17 @@ class CapacityLearner:
         fresh = self.recent[self._fresh:]
         if len(fresh) < 10 or sum(fresh) / len(fresh) >= self.margin * target_s:
             return
-        limit = self.cap
-        if self.fit is not None:
-            a, b = self.fit
-            goal = self.margin * target_s
-            limit = min(limit, max(self._least, int((goal - a) / (b + self.stall)) if goal > a else 1))
-        self.budget = max(self.budget, min(limit, 2 * self.budget))
+        self.budget = max(self.budget, min(self._limit(self.margin * target_s), 2 * self.budget))
         self._grown_at, self._fresh = now, len(self.recent)
+
+    def _limit(self, goal: float) -> int:
+        """The budget the line allows: the largest n whose pace, prefills priced in, stays below
+        `goal`, within the floor and the cap; the cap where there is no line."""
+        if self.fit is None:
+            return self.cap
+        a, b = self.fit
+        by_fit = int((goal - a) / (b + self.stall)) if goal > a else 1
+        return max(self._least, min(by_fit, self.cap))
 
     def _overdraft(self, target_s: float, lend_goal: float, inflight: int) -> int:
         """Slots above the budget for first tokens that would be lost waiting: as many more streams
