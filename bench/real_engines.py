@@ -112,6 +112,9 @@ def reset_caches(urls: list[str]) -> None:
             httpx.post(f"{u}/reset_prefix_cache", timeout=10)
 
 
+GATEWAY_DEFAULT_FLAGS: list[str] = []  # `--slo-scale`: slogate's built-in default SLO scaled like the rules
+
+
 def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -134,7 +137,7 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
         system, tree = system.split("#", 1)
         env = {**os.environ, "PYTHONPATH": tree}
     if system == "slogate" or system.startswith("slogate@"):  # what a user types: no config at all
-        serve += [a for u in urls for a in ("--backend", u)]
+        serve += [a for u in urls for a in ("--backend", u)] + GATEWAY_DEFAULT_FLAGS
         if "@" in system:  # a variant for a knob study: slogate@FILE.yaml (its backends are replaced)
             serve += ["--config", system.split("@", 1)[1]]
     else:
@@ -638,11 +641,14 @@ def main() -> None:
                          "third-party clients sending no SLO")
     ap.add_argument("--guidellm", default=shutil.which("guidellm") or str(Path.home() / ".cache/slogate/guidellm/bin/guidellm"))
     ap.add_argument("--slo-scale", type=float, default=1.0,
-                    help="multiply the SLO (TTFT 1 s, TBT 50 ms) and the judging rules by this: for a host whose engines are "
-                         "that much slower (an unloaded first token here took 0.5 s on one host, 1.27 s on another)")
+                    help="multiply the SLO (TTFT 1 s, TBT 50 ms), the judging rules and slogate's built-in default SLO by this: "
+                         "for a host whose engines are that much slower (an unloaded first token here took 0.5 s on one host, "
+                         "1.27 s on another)")
     a = ap.parse_args()
     global TTFT_S, TBT_S
     TTFT_S, TBT_S = TTFT_S * a.slo_scale, TBT_S * a.slo_scale
+    if a.slo_scale != 1:  # the built-in default (1 s, 50 ms) scaled alike: the whole run is a faster host's in slow motion
+        GATEWAY_DEFAULT_FLAGS[:] = ["--ttft-ms", f"{1000 * a.slo_scale:g}", "--tbt-ms", f"{50 * a.slo_scale:g}"]
     GUIDELLM_SLO.update(ttft_ms=TTFT_S * 1000, tpot_ms=TBT_S * 1000)
     systems = bench_systems(a)
     tmp = Path(tempfile.mkdtemp())

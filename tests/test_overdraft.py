@@ -25,11 +25,13 @@ def test_a_first_token_about_to_be_lost_takes_an_overdraft_slot_others_wait() ->
     fresh = req(2, arrival=now, inp=200, slo=SLO.latency(10.0, 0.05))  # 10 s to its first token: it can wait
     deadline = req(3, arrival=now - 0.8, inp=200, slo=SLO.deadline(1.5))  # no first token to save
     late = req(4, arrival=now - 1.5, inp=200, slo=SLO.latency(1.0, 0.05))  # already past its TTFT: lending buys nothing
-    unasked = req(5, arrival=now - 0.8, inp=200, slo=SLO.latency(1.0, 0.05))  # as urgent, but its TBT is only the default
-    unasked.tbt_chosen = False
+    # As urgent, on the built-in default SLO: lent a slot too (the default is an interactive pace a
+    # user's tool judges by; docs/benchmarks.md, "An interactive default SLO").
+    unasked = req(5, arrival=now - 0.8, inp=200, slo=SLO.latency(1.0, 0.05))
+    unasked.tbt_chosen = unasked.ttft_chosen = False
     d = s.schedule(now, [fresh, deadline, late, unasked, urgent], views)
-    assert [r.rid for r, _ in d.dispatch] == [1]
-    assert sum(v.inflight for v in views) == 5 and all(v.inflight <= v.budget + v.overdraft for v in views)
+    assert sorted(r.rid for r, _ in d.dispatch) == [1, 5]
+    assert sum(v.inflight for v in views) == 6 and all(v.inflight <= v.budget + v.overdraft for v in views)
     assert all(v.budget == 2 for v in views)  # the lent slots were for that pass only
 
 

@@ -291,6 +291,29 @@ def test_gmax_sheds_a_request_that_waited_past_its_waiting_time_before_any_dispa
     assert GMAX(preempt=False).select(0.9, [old], 0, [view()]).shed == []
 
 
+def test_gmax_refuses_a_request_on_the_default_slo_only_for_want_of_room():
+    """A stream that named no SLO and can no longer be on time (its default TTFT passed, the
+    engine slower than its default TBT) is served while a slot would stay empty; under load it
+    is refused (429), oldest served first. One whose TTFT someone chose is refused either way."""
+    slo = SLO.latency(1.0, 0.05)
+
+    def late(rid: int, arrival: float, chosen: bool) -> object:
+        r = req(rid, arrival=arrival, inp=100, slo=slo, bound=10)
+        r.ttft_chosen = r.tbt_chosen = chosen
+        return r
+
+    g = GMAX(preempt=False)
+    now = 30.0
+    old, older = late(1, 20.0, False), late(2, 10.0, False)
+    chosen = late(3, 20.0, True)
+    assert g.estimate(now, [old, older, chosen], [view()])[3].all()  # all three past hope by the numbers
+    sel = g.select(now, [old, older, chosen], 2, [view()])
+    assert {r.rid for r in sel.dispatch} == {1, 2} and sel.shed == [(chosen, "slo_unattainable")]
+    sel = g.select(now, [old, older], 1, [view()])  # one slot: the oldest gets it, the other is refused
+    assert [r.rid for r in sel.dispatch] == [2] and sel.shed == [(old, "slo_unattainable")]
+    assert {r.rid for r, _ in g.select(now, [old, older], 0, [view()]).shed} == {1, 2}  # no room: both refused
+
+
 # ------------------------------------------------------------------ the registry
 def test_every_plugin_lives_in_the_module_named_for_its_key_and_old_keys_still_work() -> None:
     import inspect

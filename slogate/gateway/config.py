@@ -10,7 +10,7 @@ backends:
   - url: dns+http://vllm:8000     # every address `vllm` resolves to (headless Service, compose service)
 policies: {ordering: gmax, placement: gorouting, frame_s: 0.3}
 slo:
-  default: {kind: auto, ttft_ms: 2000, tbt_ms: 100, deadline_ms: 20000, waiting_ms: 5000}
+  default: {kind: auto, ttft_ms: 1000, tbt_ms: 50, deadline_ms: 20000, waiting_ms: 5000}
   models: {llama-3.1-8b: {tbt_ms: 80}}
 tiers: {default: {weight: 1}, high: {weight: 2, slo: {ttft_ms: 1000}}}
 service_tiers: {priority: high, flex: low}
@@ -85,8 +85,10 @@ class SLOSpec(_Strict):
 
 
 class SLOConfig(_Strict):
-    default: SLOSpec = Field(default_factory=lambda: SLOSpec(kind="auto", ttft_ms=2000, tbt_ms=100, deadline_ms=20_000, waiting_ms=5_000),
-                             description="SLO of a request that names none (JITServe's evaluation defaults).")
+    default: SLOSpec = Field(default_factory=lambda: SLOSpec(kind="auto", ttft_ms=1000, tbt_ms=50, deadline_ms=20_000, waiting_ms=5_000),
+                             description="SLO of a request that names none: an interactive stream's, as guidellm and `vllm bench serve "
+                             "--goodput` users judge one (first token within 1 s, 20 tokens/s). Streams without a chosen TBT are never "
+                             "paced; it sets the pace each replica's budget keeps, and under load which requests are refused.")
     models: dict[str, SLOSpec] = Field(default_factory=dict, description="Per-model overrides of the default, by model id.")
     best_effort_deadline_ms: float = Field(600_000, gt=0, description="Deadline the scheduler gives best-effort requests, so they are never starved; they wait this long for admission.")
     workflow_deadline_ms: float = Field(120_000, gt=0, description="Deadline of an agent workflow that does not give one, from its first call.")

@@ -83,7 +83,7 @@ class Resolved:
     @property
     def tbt_chosen(self) -> bool:
         """Someone chose this request's TBT (request, key, tier, model), not the built-in default:
-        only then is it paced, and only then may it take a slot lent above a budget."""
+        only then is it paced."""
         return self.sources.get("tbt_ms", "default") != "default"
 
     @property

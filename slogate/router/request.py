@@ -112,13 +112,14 @@ class Request:
     preemptions: int = 0
     preemptible: bool = True  # the driver can stop it and continue it later (live: a resumable stream past its first token)
     # Someone chose its TBT (live: the request, its key, tier or model; not the built-in default).
-    # Only such a request may take a slot a replica lends above its budget (scheduler.py), and with
-    # GoRouting's `pack: "chosen"` only such a request is packed beside busier streams: one on the
-    # built-in default would slow its neighbours, or be slowed, for a pace no client asked for
-    # (guidellm, measured).
+    # Only such a request is paced, and with GoRouting's `pack: "chosen"` only such a request is
+    # packed beside busier streams: one on the built-in default would be slowed for a pace no
+    # client asked for (guidellm, measured). Any latency request may take a slot a replica lends
+    # above its budget (scheduler.py; docs/benchmarks.md, "An interactive default SLO").
     tbt_chosen: bool = True
     # Its TTFT was chosen by someone (live: the request, its key, tier or model; not the built-in
-    # default): only then does GMAX's `strict_ttft` shed it once its first token cannot be on time.
+    # default): only then does GMAX's `strict_ttft` shed it once its first token cannot be on time,
+    # and only then is it refused (its SLO past hope) while a slot would otherwise stay empty.
     ttft_chosen: bool = True
     shed_reason: str | None = None
     # Prompt as chained block hashes (router/prefix.py) and the prompt tokens one block holds;

@@ -223,6 +223,8 @@ class GMAX(OrderingPolicy):
         too_long = now - dyn[:, 0] > st[:, 7]  # waited past its waiting_s (inf when unset) …
         for i in np.flatnonzero(too_long):
             too_long[i] = waiting[i].dispatched_at is None  # … before it was ever dispatched
+        if expired.any():
+            expired = self._room_for_defaults(expired, too_long, waiting, slots)
         sel.shed = [(waiting[i], "slo_unattainable") for i in np.flatnonzero(expired)]
         sel.shed += [(waiting[i], "waiting_time_exceeded") for i in np.flatnonzero(too_long & ~expired)]
         alive = np.flatnonzero(~expired & ~too_long)
@@ -259,6 +261,24 @@ class GMAX(OrderingPolicy):
             rest = list(by_prio[~np.isin(by_prio, chosen)])
             sel.preempt = self._preemptions(now, rest, prio, good, t_gen, waiting, replicas)
         return sel
+
+    @staticmethod
+    def _room_for_defaults(expired: np.ndarray, too_long: np.ndarray, waiting: list[Request], slots: int) -> np.ndarray:
+        """`expired` less the requests that named no TTFT (the built-in default is nobody's
+        promise) while free slots would otherwise stay empty: those are refused only for want
+        of room, oldest served first. Under load a default SLO still sheds what it can no
+        longer serve on time, which keeps the queue short for the rest (docs/benchmarks.md,
+        "An interactive default SLO"); on a fleet with room a slow prefill is no reason to refuse."""
+        room = slots - int((~expired & ~too_long).sum())
+        if room <= 0:
+            return expired
+        lenient = [i for i in np.flatnonzero(expired & ~too_long) if not waiting[i].ttft_chosen]
+        lenient.sort(key=lambda i: waiting[i].arrival)
+        if not lenient:
+            return expired
+        out = expired.copy()
+        out[lenient[:room]] = False
+        return out
 
     def _group(self, alive: np.ndarray, prio: np.ndarray, waiting: list[Request], B: int) -> list[int]:
         """Alg. 1 lines 16–26: cutoff filter, then the best input-length window of size B."""
