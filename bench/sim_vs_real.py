@@ -307,6 +307,7 @@ def sweep_plain(prof: dict, rates: list[float], seeds: int, systems: list[str], 
 
 
 def main() -> None:
+    global PLAIN_DEFAULT
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fit")
@@ -336,8 +337,13 @@ def main() -> None:
     w.add_argument("--out", type=Path)
     w.add_argument("--client", choices=["ours", "plain"], default="ours",
                    help="ours: the benchmark's SLO-carrying requests; plain: guidellm's (no SLO field, one length), judged by its rule")
+    w.add_argument("--plain-default", help="TTFT,TBT (seconds): the gateway's built-in default SLO the plain client's requests "
+                   f"get, for a study of that default (default: config.py's, {PLAIN_DEFAULT[0]:g},{PLAIN_DEFAULT[1]:g})")
     a = ap.parse_args()
     if a.cmd == "sweep":
+        if a.plain_default:
+            ttft, tbt = (float(x) for x in a.plain_default.split(","))
+            PLAIN_DEFAULT = (ttft, tbt)
         table, rows = sweep(json.loads(a.profile.read_text()), a.kappa, [float(x) for x in a.rates.split(",")], a.seeds,
                             a.systems.split(","), a.replicas, a.duration, a.client)
         print(table)
