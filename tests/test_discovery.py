@@ -112,6 +112,10 @@ def test_dns_discovery_scales_2_4_1_under_load(tmp_path: Path) -> None:
         cfg.write_text(f"backends: [{{url: 'dns+http://{NAME}:{port}', models: [{MODEL}], budget: 6}}]\n"
                        f"discovery: {{interval_s: 1, nameservers: ['127.0.0.1:{dns_server.port}']}}\n"
                        f"health_interval_s: 0.5\nmax_queue: 5000\n"
+                       # 10 streams on one replica's 6 slots after the scale-down wait a stream's life: past
+                       # the built-in default's 1 s first token, where overload refuses them (429; tested in
+                       # test_policies.py). This test is about discovery and draining: a patient default.
+                       "slo: {default: {ttft_ms: 30000}}\n"
                        f"auth: {{admin_sha256: {hashlib.sha256(ADMIN.encode()).hexdigest()}}}\n")
         gp = free_port()
         gw = f"http://127.0.0.1:{gp}"

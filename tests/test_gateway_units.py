@@ -43,6 +43,15 @@ def test_defaults_stream_is_latency_and_plain_is_deadline() -> None:
     assert d.slo.kind is SLOClass.DEADLINE and d.slo.deadline_s == 20.0 and d.waiting_s == 5.0
 
 
+def test_a_partial_default_slo_keeps_the_rest_of_the_built_in_one() -> None:
+    # `slo: {default: {ttft_ms: ...}}` alone once left the TBT unset: every request failed (500).
+    cfg = GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}], "slo": {"default": {"ttft_ms": 3000}}})
+    s = resolve({"model": "m", "stream": True}, {}, cfg, WorkflowBook(WorkflowsConfig()), 100.0)
+    assert s.slo.kind is SLOClass.LATENCY and s.slo.ttft_s == 3.0 and s.slo.tbt_s == 0.05 and s.waiting_s == 5.0
+    d = resolve({"model": "m"}, {}, cfg, WorkflowBook(WorkflowsConfig()), 100.0)
+    assert d.slo.kind is SLOClass.DEADLINE and d.slo.deadline_s == 20.0
+
+
 def test_only_a_tbt_someone_chose_counts_as_chosen() -> None:
     # Paced only then.
     plain = GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}]})

@@ -84,14 +84,27 @@ class SLOSpec(_Strict):
     waiting_ms: float | None = Field(None, gt=0, description="Longest wait for admission before a 429, ms.")
 
 
+def _builtin_default() -> SLOSpec:
+    return SLOSpec(kind="auto", ttft_ms=1000, tbt_ms=50, deadline_ms=20_000, waiting_ms=5_000)
+
+
 class SLOConfig(_Strict):
-    default: SLOSpec = Field(default_factory=lambda: SLOSpec(kind="auto", ttft_ms=1000, tbt_ms=50, deadline_ms=20_000, waiting_ms=5_000),
+    default: SLOSpec = Field(default_factory=_builtin_default,
                              description="SLO of a request that names none: an interactive stream's, as guidellm and `vllm bench serve "
                              "--goodput` users judge one (first token within 1 s, 20 tokens/s). Streams without a chosen TBT are never "
-                             "paced; it sets the pace each replica's budget keeps, and under load which requests are refused.")
+                             "paced; it sets the pace each replica's budget keeps, and under load which requests are refused. "
+                             "Fields left out keep these values.")
     models: dict[str, SLOSpec] = Field(default_factory=dict, description="Per-model overrides of the default, by model id.")
     best_effort_deadline_ms: float = Field(600_000, gt=0, description="Deadline the scheduler gives best-effort requests, so they are never starved; they wait this long for admission.")
     workflow_deadline_ms: float = Field(120_000, gt=0, description="Deadline of an agent workflow that does not give one, from its first call.")
+
+    @field_validator("default")
+    @classmethod
+    def _fill_default(cls, v: SLOSpec) -> SLOSpec:
+        # `slo: {default: {ttft_ms: 3000}}` changes the TTFT only: the rest is the built-in's (left
+        # as None, every request failed resolving an SLO with no TBT: a 500).
+        base = _builtin_default()
+        return SLOSpec(**{k: (x if x is not None else getattr(base, k)) for k, x in v.model_dump().items()})
 
 
 class TierConfig(_Strict):
