@@ -36,6 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_engines as R
 
+from slogate.gateway.upstream import engine_asks
 from slogate.testing.loadgen import stream_once
 from slogate.testing.prom import samples
 
@@ -110,7 +111,9 @@ def probe(urls: list[str], tmp: Path, rounds: int, background: int, via: str) ->
     sg, sg_url = R.start_router("slogate", urls[:1], tmp)
     vr, vr_url = R.start_router("vllm-router", urls[:1], tmp)
     try:
-        asks = {"return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        # What slogate adds to a stream for a vLLM replica whose chunks have shown their token ids
+        # (every request after its first), from the function the gateway itself calls.
+        asks = engine_asks("vllm", stream=True, with_ids=True, by_id_count=True)
         targets = {"direct": (urls[0], {}), "direct, slogate's asks": (urls[0], asks), "slogate": (sg_url, {}), "vllm-router": (vr_url, {})}
         bg_url = {"direct": urls[0], "slogate": sg_url, "vllm-router": vr_url}[via]
         res = asyncio.run(_probe(targets, rounds, background, bg_url))

@@ -18,7 +18,7 @@ from slogate.gateway.pacing import Pacer, paced
 from slogate.gateway.resume import by_ids, continued, ids_body
 from slogate.gateway.slo import resolve
 from slogate.gateway.sse import hide_ids, inspect
-from slogate.gateway.upstream import Upstream
+from slogate.gateway.upstream import Upstream, engine_asks
 from slogate.gateway.workflows import WorkflowBook
 from slogate.router.registry import make_ordering, make_placement
 from slogate.router.request import SLO, Request, SLOClass
@@ -273,6 +273,8 @@ def test_a_stream_is_counted_by_token_ids_only_where_they_cover_its_whole_answer
     fresh = Exchange("chat", None, None, None, ("m", "t", "c"), True, False, text=AnswerText())  # type: ignore[arg-type]
     got = asked(fresh)
     assert got["return_token_ids"] and not got["stream_options"].get("continuous_usage_stats"), got
+    # What bench/gateway_ttft.py sends the engine itself to price these asks is what is sent here.
+    assert {k: got[k] for k in ("stream_options", "return_token_ids")} == engine_asks("vllm", True, True, True)
     # Resumed after 5 tokens made on an SGLang replica (no ids): text continuation, usage per chunk.
     mixed = Exchange("chat", None, None, None, ("m", "t", "c"), True, False, text=AnswerText(), resumed=5)  # type: ignore[arg-type]
     mixed.text.write("abcde")  # type: ignore[union-attr]

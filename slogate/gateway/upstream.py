@@ -31,6 +31,25 @@ log = logging.getLogger("slogate.gateway")
 Event = tuple[bytes, EventInfo | None, float]  # the event's bytes, what it carries, when it arrived
 
 
+def engine_asks(kind: str, stream: bool, with_ids: bool, by_id_count: bool) -> dict[str, Any]:
+    """What the gateway adds to a request for a replica of `kind` (bench/gateway_ttft.py measures
+    what these cost the engine by sending them itself). `with_ids`: the chunks' token ids, so a
+    continuation from them is exact (gateway/resume.py); `by_id_count`: those ids count the tokens."""
+    asks: dict[str, Any] = {}
+    if stream:
+        so: dict[str, Any] = {"include_usage": True}  # exact token counts
+        if kind != "openai" and not by_id_count:
+            # The running count in every chunk: an engine sends no chunk for a token that
+            # detokenizes to nothing (part of a character), so one chunk can carry several
+            # tokens, and the gaps the capacity learner measures must be per token. (Where
+            # the chunks carry their token ids these count them: no usage to strip per token.)
+            so["continuous_usage_stats"] = True
+        asks["stream_options"] = so
+    if with_ids:
+        asks["return_token_ids"] = True
+    return asks
+
+
 def resumable(kind: str, body: dict[str, Any], stream: bool) -> bool:
     """Whether an answer cut mid-stream can be continued on another replica from its text so far:
     one streamed chat or completion choice, nothing per token the continuation would lose."""
@@ -91,36 +110,27 @@ class Upstream:
         # Ids count the tokens only where they cover the whole answer so far: not after an
         # attempt on a replica that gave none (a mixed fleet), whose tokens have no ids.
         by_id_count = with_ids and b.gives_ids and len(ex.ids or ()) == ex.resumed
-        if ex.stream and ex.kind != "responses":
-            so = dict(body.get("stream_options") or {})
-            so["include_usage"] = True  # exact token counts
-            if b.cfg.kind != "openai" and not by_id_count:
-                # The running count in every chunk: an engine sends no chunk for a token that
-                # detokenizes to nothing (part of a character), so one chunk can carry several
-                # tokens, and the gaps the capacity learner measures must be per token. (Where
-                # the chunks carry their token ids these count them: no usage to strip per token.)
-                so["continuous_usage_stats"] = True
-            body["stream_options"] = so
+        if with_ids and ex.ids is None:
+            ex.ids, ex.hide_ids = array("l"), not body.get("return_token_ids")  # 8 bytes a token, not ~36
+        asked = engine_asks(b.cfg.kind, ex.stream and ex.kind != "responses", with_ids, by_id_count)
+        if "stream_options" in asked:
+            body["stream_options"] = {**(body.get("stream_options") or {}), **asked.pop("stream_options")}
+        body.update(asked)
         ex.upstream_kind, ex.again = None, ""  # per attempt: only a continuation by ids makes text again
-        if with_ids:
-            # Its token ids too: a continuation from them is exact (gateway/resume.py).
-            if ex.ids is None:
-                ex.ids, ex.hide_ids = array("l"), not body.get("return_token_ids")  # 8 bytes a token, not ~36
-            body["return_token_ids"] = True
-            if ex.resumed and by_ids(ex, ex.resumed):
-                # From the last token known to end a character: a prompt that ends inside one
-                # makes vLLM's detokenizer hold its whole prompt back and send it as answer text
-                # (measured). The tokens after it are made again: the text of theirs the client
-                # already has (a chunk of several ids, whose last may have been held back) is
-                # dropped from the continuation, not sent twice.
-                keep = ex.ids_whole
-                cont = ids_body(body, ex, b.max_len, keep)
-                if cont is not None:
-                    assert ex.ids is not None
-                    del ex.ids[keep:]
-                    ex.resumed, ex.upstream_kind = keep, "completions"
-                    ex.again = ex.text.getvalue()[ex.text_whole:]
-                    return cont
+        if with_ids and ex.resumed and by_ids(ex, ex.resumed):
+            # From the last token known to end a character: a prompt that ends inside one
+            # makes vLLM's detokenizer hold its whole prompt back and send it as answer text
+            # (measured). The tokens after it are made again: the text of theirs the client
+            # already has (a chunk of several ids, whose last may have been held back) is
+            # dropped from the continuation, not sent twice.
+            keep = ex.ids_whole
+            cont = ids_body(body, ex, b.max_len, keep)
+            if cont is not None:
+                assert ex.ids is not None
+                del ex.ids[keep:]
+                ex.resumed, ex.upstream_kind = keep, "completions"
+                ex.again = ex.text.getvalue()[ex.text_whole:]
+                return cont
         if ex.resumed and ex.text is not None:
             # The answer so far goes back as the start of the answer (vLLM's and SGLang's
             # continue_final_message; a completion's prompt + its text), for what is left of it.
