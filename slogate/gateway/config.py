@@ -167,9 +167,9 @@ class CapacityConfig(_Strict):
                              "and measured fast, until its first cut (false: it begins at `backends[].budget`). A replica that joins a "
                              "running fleet begins at its peers' learned budget either way; with shared state (`state.kind: redis`) "
                              "at `backends[].budget`, since other gateways' requests may already hold more than 8 there.")
-    stall_hold: int = Field(2, ge=0, le=60, description="Seconds in a row slow start keeps a replica's budget (neither cut nor doubled) "
-                            "while its mean pace is over the target but its median inter-token gap is below half the goal: stalls "
-                            "(a burst's prefills, the host busy elsewhere), not a batch too large. 0: cut on the first slow second.")
+    on_stalls: Literal["cut", "end"] = Field("cut", description="What slow start does on a second whose mean inter-token gap is over "
+                                            "the target but whose median is below half the goal (stalls: a burst's prefills, the host busy "
+                                            "elsewhere): cut the budget as on any slow second, or end slow start and keep the budget.")
     overdraft: bool = Field(True, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
                             "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
     overdraft_within_s: float = Field(AT_RISK_S, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "

@@ -117,7 +117,7 @@ class Fleet:
             # requests hold there, claim nothing and measure nothing to grow by.
             slow = cfg.capacity.slow_start and cfg.state.kind == "memory"
             learner = CapacityLearner(bc.budget, start=start, slow_start=slow, margin=cfg.capacity.margin,
-                                      stall_hold=cfg.capacity.stall_hold, overdraft_on=cfg.capacity.overdraft,
+                                      on_stalls=cfg.capacity.on_stalls, overdraft_on=cfg.capacity.overdraft,
                                       lend_to=cfg.capacity.lend_to, lend_now_below=cfg.capacity.lend_now_below)
         view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
         view.healthy = checked
@@ -322,8 +322,11 @@ class Fleet:
                 learned = learned_budget(b.learner, v, now, ext)
                 if log.isEnabledFor(logging.DEBUG):
                     lr = b.learner
-                    log.debug("budget %s: %d (holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s)",
-                              b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace)
+                    g = sorted(lr.last_second)
+                    log.debug("budget %s: %d (holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s; "
+                              "last second: %d gaps, mean %s, median %s, max %s; slow start %s)",
+                              b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace, len(g),
+                              g and round(sum(g) / len(g), 4), g and g[len(g) // 2], g and g[-1], lr.growing)
             budget = max(1, learned - ext)
             overdraft, now_ = (b.learner.overdraft, b.learner.lend_now) if b.learner is not None else (0, 0)
             if b.kv_usage is not None and b.kv_usage >= KV_FULL:

@@ -110,15 +110,15 @@ class CapacityLearner:
     # 1.5 s (docs/benchmarks.md, "Slow start between updates"). A step still needs 10 fresh gaps
     # measured fast: an engine busy with the prefills of what it was just sent shows none.
     grow_every_s: float = 0.1
-    # Slow start's cut waits this many seconds in a row while the slowness is stalls, not the
-    # batch: a second whose mean pace is over the target but whose median gap is below half the
-    # goal. Most steps ran fast; a few stalled every stream (the prefills of a burst of arrivals,
-    # the host busy elsewhere). A fresh gateway cut a replica from 8 to the floor in a run's first
-    # seconds on such a second: 3 streams, median gap 6.5 ms, two gaps of 1.8 s, mean 93 ms (real
-    # vLLM, guidellm at 1.5 req/s; docs/benchmarks.md, "Stalls are not a batch too large"). Stalls
-    # that persist are the load's: the next such second cuts. 0: cut on the first.
-    stall_hold: int = 2
-    _stalled: int = 0  # such seconds in a row
+    # What slow start does on a second of stalls rather than a batch too large: its mean pace is
+    # over the target but its median gap is below half the goal (most steps ran fast; a few stalled
+    # every stream: a burst's prefills, the host busy elsewhere). "cut" (the default): as on any slow
+    # second. "end": keep the budget, stop doubling, judge the next seconds afresh. A fresh gateway
+    # cut a replica from 8 to the floor on such a second (3 streams, median gap 6.5 ms, two gaps of
+    # 1.8 s, mean 93 ms; real vLLM); holding on through two such seconds instead was measured worse,
+    # slow start then doubled into a flood (docs/benchmarks.md, "Stalls are not a batch too large").
+    on_stalls: str = "cut"
+    last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
     _grown_at: float = -math.inf
     _fresh: int = 0  # index in `recent` of the first gap measured since the last doubling
 
@@ -184,6 +184,7 @@ class CapacityLearner:
             return self.budget
         self.last_update = now
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
+        self.last_second = recent  # what this update judged (the gateway's debug log)
         self._fresh = 0
         if target_s is None:
             self.overdraft = self.lend_now = 0  # no stream with a pace to keep: full is the only signal there is
@@ -235,20 +236,17 @@ class CapacityLearner:
             pace, over = (self.sustained if self._since_cut >= 10 else None), 1.25 * target_s
         self._since_cut += 1
         slow = pace is not None and pace > over and len(recent) >= 10
-        if slow and self._growing and median(recent) < 0.5 * goal:
-            self._stalled += 1
-            slow = self._stalled > self.stall_hold
-        else:
-            self._stalled = 0
+        if slow and self._growing and self.on_stalls == "end" and median(recent) < 0.5 * goal:
+            self._growing, slow = False, False  # stalls, not the batch: no more doubling, no cut
+            self.pace = self.sustained = None
+            self._since_cut = 0
         if slow:
             self.budget = min(self.budget, max(self._least, int(inflight * 0.8)))  # multiplicative decrease
             self.pace = self.sustained = None
             self._since_cut = 0
             self._growing = False
         elif self._growing:
-            if self._stalled:
-                pass  # holds: neither cut nor doubled on a second of stalls
-            elif inflight >= self.budget and mean is not None and mean < goal and now - self._grown_at >= self.grow_every_s:
+            if inflight >= self.budget and mean is not None and mean < goal and now - self._grown_at >= self.grow_every_s:
                 self.budget = max(self.budget, min(limit, 2 * self.budget))  # slow start: doubles on a pace measured fast this second
                 self._grown_at = now
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
