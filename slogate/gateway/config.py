@@ -163,10 +163,11 @@ class CapacityConfig(_Strict):
 
     learn: bool = Field(True, description="Learn each replica's SLO-safe concurrency online; `backends[].budget` stays the upper bound.")
     margin: float = Field(0.85, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
-    slow_start: bool = Field(True, description="A replica the gateway starts with begins at a budget of 8 and doubles it each second it is full "
+    slow_start: bool = Field(True, description="A replica the gateway starts with begins at `slow_start_budget` (8) and doubles it while it is full "
                              "and measured fast, until its first cut (false: it begins at `backends[].budget`). A replica that joins a "
                              "running fleet begins at its peers' learned budget either way; with shared state (`state.kind: redis`) "
                              "at `backends[].budget`, since other gateways' requests may already hold more than 8 there.")
+    slow_start_budget: int = Field(8, ge=1, description="The budget slow start begins a replica at (within `backends[].budget`).")
     on_stalls: Literal["cut", "end"] = Field("cut", description="What slow start does on a second whose mean inter-token gap is over "
                                             "the target but whose median is below half the goal (stalls: a burst's prefills, the host busy "
                                             "elsewhere): cut the budget as on any slow second, or end slow start and keep the budget.")

@@ -117,6 +117,7 @@ class Fleet:
             # requests hold there, claim nothing and measure nothing to grow by.
             slow = cfg.capacity.slow_start and cfg.state.kind == "memory"
             learner = CapacityLearner(bc.budget, start=start, slow_start=slow, margin=cfg.capacity.margin,
+                                      initial=cfg.capacity.slow_start_budget,
                                       on_stalls=cfg.capacity.on_stalls, overdraft_on=cfg.capacity.overdraft,
                                       lend_to=cfg.capacity.lend_to, lend_now_below=cfg.capacity.lend_now_below)
         view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
