@@ -157,13 +157,20 @@ def plain_arrivals(rate: float, duration: float, seed: int, lengths: tuple[int, 
     return [{"i": i, "at": float(t), "kind": "plain", "n_in": lengths[0], "n_out": lengths[1]} for i, t in enumerate(ats[ats < duration])]
 
 
+def _knob(value: str) -> float | str:
+    try:
+        return float(value)
+    except ValueError:
+        return value  # e.g. slogate@capacity_on_stalls=end
+
+
 def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:
     # A named system, or any policy combination run as slogate runs it (learned budgets capped at 48);
     # `NAME@FIELD=VALUE` sets one of the simulated gateway's EngineConfig fields (a knob), e.g. slogate@capacity_lend_now_below=0.7.
     system, _, knob = system.partition("@")
     combo, learn, budget, overdraft = SYSTEMS.get(system, (system, True, 48, True))
     field, _, value = knob.partition("=")
-    extra = {field: float(value)} if knob else {}
+    extra: dict = {field: _knob(value)} if knob else {}
     k = profile["prompt_tokens_per_n_in"]
     jobs = []
     for a in reqs:

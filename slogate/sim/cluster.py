@@ -44,6 +44,7 @@ class EngineConfig:
     capacity_lend_now_below: float = 0.0  # and to any latency request while the pace stays below this share of the target
     capacity_slow_start: bool = True  # each replica's learned budget starts at 8 and doubles while full and fast (router/capacity.py)
     capacity_initial: int = 8  # where slow start begins (`capacity.slow_start_budget`)
+    capacity_on_stalls: str = "cut"  # slow start on a second of stalls (`capacity.on_stalls`)
     prefix_index: bool = True  # the gateway tracks where each replica's prefix cache is (prefix workloads)
 
 
@@ -120,6 +121,7 @@ class ClusterSim:
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
         self.learners = ([CapacityLearner(engine.budget, slow_start=engine.capacity_slow_start, initial=int(engine.capacity_initial),
+                                          on_stalls=engine.capacity_on_stalls,
                                           margin=engine.capacity_margin,
                                           overdraft_on=engine.capacity_overdraft, lend_now_below=engine.capacity_lend_now_below)
                           for _ in range(n_replicas)]
