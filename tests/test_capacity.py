@@ -104,11 +104,11 @@ def test_prefill_stalls_in_the_tail_do_not_read_as_overload() -> None:
     assert min(b[20:]) >= 9, b  # no collapse towards one-at-a-time
 
 
-def test_slow_start_on_a_second_of_stalls_cuts_or_with_end_keeps_the_budget() -> None:
+def test_slow_start_on_a_second_of_stalls_keeps_the_budget_and_ends() -> None:
     """A second measured on real vLLM (guidellm at 1.5 req/s, a fresh gateway): 3 streams, median
-    gap 6.5 ms, two gaps of 1.8 s when the host stalled the engine once; mean 93 ms. The default
-    cuts on it as on any slow second; `on_stalls="end"` keeps the budget and ends slow start (no
-    more doubling) and still cuts at once on a second whose batch itself is slow."""
+    gap 6.5 ms, two gaps of 1.8 s when the host stalled the engine once; mean 93 ms. The rule
+    before (`on_stalls="cut"`) cut on it as on any slow second; now slow start keeps the budget
+    and ends (no more doubling), and still cuts at once on a second whose batch itself is slow."""
     measured = [1.3, 1.4, 1.8, 1.9, 3.3, 3.3, 3.5, 3.5, 4.3, 4.3, 4.3, 4.4, 5.3, 5.4, 6.1, 6.1, 6.2, 6.2, 6.3, 6.3, 6.5,
                 6.5, 6.5, 6.5, 7.5, 7.6, 8.4, 8.4, 8.5, 8.5, 9.3, 9.3, 9.8, 9.9, 12.0, 12.1, 18.6, 18.6, 48.2, 48.4, 1781.1, 1782.7]
 
@@ -117,12 +117,12 @@ def test_slow_start_on_a_second_of_stalls_cuts_or_with_end_keeps_the_budget() ->
             lr.observe(n, g / 1000)
         return lr.update(t, 0.050, n)
 
-    cut = CapacityLearner(cap=64)
+    cut = CapacityLearner(cap=64, on_stalls="cut")
     assert second(cut, 0.0, measured, 3) == 4 and not cut.growing
-    end = CapacityLearner(cap=64, on_stalls="end")
+    end = CapacityLearner(cap=64)
     assert second(end, 0.0, measured, 3) == 8 and not end.growing
     assert [second(end, float(t), [9.0] * 40, end.budget) for t in (1, 2)] == [9, 10]  # then +1 a second while full and fast
-    slow = CapacityLearner(cap=64, on_stalls="end")
+    slow = CapacityLearner(cap=64)
     assert second(slow, 0.0, [55, 60, 58, 62, 57, 59, 61, 56, 60, 58, 300], 6) == 4 and not slow.growing
 
 

@@ -31,9 +31,9 @@ def test_replicas_slow_start_alone_and_begin_at_the_cap_beside_other_gateways() 
     assert [b.view.budget for b in off.backends] == [20]
     for begin, budget in ((16, 16), (64, 20)):  # where slow start begins, never above the cap
         fleet = Fleet(GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 20}],
-                                                    "capacity": {"slow_start_budget": begin, "on_stalls": "end"}}), Metrics())
+                                                    "capacity": {"slow_start_budget": begin, "on_stalls": "cut"}}), Metrics())
         lr = fleet.backends[0].learner
-        assert lr is not None and fleet.backends[0].view.budget == budget and lr.on_stalls == "end"
+        assert lr is not None and fleet.backends[0].view.budget == budget and lr.on_stalls == "cut"
 
 
 def test_reconcile_joins_drains_revives_and_reaps() -> None:

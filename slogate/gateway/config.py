@@ -168,9 +168,9 @@ class CapacityConfig(_Strict):
                              "running fleet begins at its peers' learned budget either way; with shared state (`state.kind: redis`) "
                              "at `backends[].budget`, since other gateways' requests may already hold more than 8 there.")
     slow_start_budget: int = Field(8, ge=1, description="The budget slow start begins a replica at (within `backends[].budget`).")
-    on_stalls: Literal["cut", "end"] = Field("cut", description="What slow start does on a second whose mean inter-token gap is over "
+    on_stalls: Literal["cut", "end"] = Field("end", description="What slow start does on a second whose mean inter-token gap is over "
                                             "the target but whose median is below half the goal (stalls: a burst's prefills, the host busy "
-                                            "elsewhere): cut the budget as on any slow second, or end slow start and keep the budget.")
+                                            "elsewhere): end slow start and keep the budget, or cut it as on any slow second.")
     overdraft: bool = Field(True, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
                             "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
     overdraft_within_s: float = Field(AT_RISK_S, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "

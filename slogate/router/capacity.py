@@ -17,7 +17,8 @@ fitted to this replica instead of a profile):
   decode line, per stream held, over ~20 s (a ratio of sums: one long prompt is a moment).
 
 The budget is the largest n with a + (b + s)·n ≤ margin · target. A fresh replica starts low
-(8) and doubles while it is full and measured fast, up to its first cut (slow start). Then, until
+(8) and doubles while it is full and measured fast, up to its first cut or a second slowed by
+stalls rather than by its batch (slow start). Then, until
 the line is trustworthy (four distinct n over a span of four, a positive slope), and for n beyond
 what it has seen, the budget moves additively: +1 while the replica is full and fast. Whenever the
 smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD); neither
@@ -112,12 +113,14 @@ class CapacityLearner:
     grow_every_s: float = 0.1
     # What slow start does on a second of stalls rather than a batch too large: its mean pace is
     # over the target but its median gap is below half the goal (most steps ran fast; a few stalled
-    # every stream: a burst's prefills, the host busy elsewhere). "cut" (the default): as on any slow
-    # second. "end": keep the budget, stop doubling, judge the next seconds afresh. A fresh gateway
-    # cut a replica from 8 to the floor on such a second (3 streams, median gap 6.5 ms, two gaps of
-    # 1.8 s, mean 93 ms; real vLLM); holding on through two such seconds instead was measured worse,
-    # slow start then doubled into a flood (docs/benchmarks.md, "Stalls are not a batch too large").
-    on_stalls: str = "cut"
+    # every stream: a burst's prefills, the host busy elsewhere). "end" (the default): keep the
+    # budget, stop doubling, judge the next seconds afresh. "cut": as on any slow second. Cutting, a
+    # fresh gateway took a replica from 8 to the floor on such a second (3 streams, median gap
+    # 6.5 ms, two gaps of 1.8 s, mean 93 ms; real vLLM) and held the fleet below what the load
+    # needed for a whole run (15 refusals where round robin served all); holding on through such
+    # seconds and doubling further flooded the replicas (docs/benchmarks.md, "Stalls are not a
+    # batch too large", sittings AD–AF).
+    on_stalls: str = "end"
     last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
     _grown_at: float = -math.inf
     _fresh: int = 0  # index in `recent` of the first gap measured since the last doubling

@@ -44,7 +44,7 @@ class EngineConfig:
     capacity_lend_now_below: float = 0.0  # and to any latency request while the pace stays below this share of the target
     capacity_slow_start: bool = True  # each replica's learned budget starts at 8 and doubles while full and fast (router/capacity.py)
     capacity_initial: int = 8  # where slow start begins (`capacity.slow_start_budget`)
-    capacity_on_stalls: str = "cut"  # slow start on a second of stalls (`capacity.on_stalls`)
+    capacity_on_stalls: str = "end"  # slow start on a second of stalls (`capacity.on_stalls`)
     prefix_index: bool = True  # the gateway tracks where each replica's prefix cache is (prefix workloads)
 
 
