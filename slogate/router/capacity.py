@@ -117,9 +117,9 @@ class CapacityLearner:
     # budget, stop doubling, judge the next seconds afresh. "cut": as on any slow second. Cutting, a
     # fresh gateway took a replica from 8 to the floor on such a second (3 streams, median gap
     # 6.5 ms, two gaps of 1.8 s, mean 93 ms; real vLLM) and held the fleet below what the load
-    # needed for a whole run (15 refusals where round robin served all); holding on through such
-    # seconds and doubling further flooded the replicas (docs/benchmarks.md, "Stalls are not a
-    # batch too large", sittings AD–AF).
+    # needed for a whole run (15 refusals, 13 of them served in time by round robin); holding on
+    # through such seconds and doubling further flooded the replicas (docs/benchmarks.md, "Stalls
+    # are not a batch too large", sittings AD–AF).
     on_stalls: str = "end"
     last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
     _grown_at: float = -math.inf
