@@ -154,7 +154,11 @@ def test_sigterm_to_one_gateway_loses_nothing_and_releases_its_claims(tmp_path: 
         cfg = tmp_path / "gw.yaml"
         cfg.write_text("backends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: {BUDGET}}}\n" for u in engines)
                        + f"state: {{kind: redis, url: '{redis_url}', prefix: {prefix}, sync_s: 0.05, lease_s: 30}}\n"
-                       + "health_interval_s: 0.5\nmax_queue: 5000\n")
+                       + "health_interval_s: 0.5\nmax_queue: 5000\n"
+                       # 12 closed-loop streams on 8 slots shared by two gateways: on the default SLO's
+                       # 1 s first token, a stream that waits too long for a slot is rightly refused
+                       # (429); this test is about a rolling update losing nothing, so its load is patient.
+                       + "slo: {default: {ttft_ms: 30000}}\n")
         gws, urls = [], []
         for _ in range(2):
             p = free_port()
