@@ -157,11 +157,13 @@ def plain_arrivals(rate: float, duration: float, seed: int, lengths: tuple[int, 
     return [{"i": i, "at": float(t), "kind": "plain", "n_in": lengths[0], "n_out": lengths[1]} for i, t in enumerate(ats[ats < duration])]
 
 
-def _knob(value: str) -> float | str:
-    try:
-        return float(value)
-    except ValueError:
-        return value  # e.g. slogate@capacity_on_stalls=end
+def _knob(value: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value  # e.g. slogate@capacity_on_stalls=end
 
 
 def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:

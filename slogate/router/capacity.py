@@ -240,14 +240,11 @@ class CapacityLearner:
         self._since_cut += 1
         slow = pace is not None and pace > over and len(recent) >= 10
         if slow and self._growing and self.on_stalls == "end" and median(recent) < 0.5 * goal:
-            self._growing, slow = False, False  # stalls, not the batch: no more doubling, no cut
-            self.pace = self.sustained = None
-            self._since_cut = 0
+            slow = False  # stalls, not the batch: slow start ends without a cut
+            self._afresh()
         if slow:
             self.budget = min(self.budget, max(self._least, int(inflight * 0.8)))  # multiplicative decrease
-            self.pace = self.sustained = None
-            self._since_cut = 0
-            self._growing = False
+            self._afresh()
         elif self._growing:
             if inflight >= self.budget and mean is not None and mean < goal and now - self._grown_at >= self.grow_every_s:
                 self.budget = max(self.budget, min(limit, 2 * self.budget))  # slow start: doubles on a pace measured fast this second
@@ -257,6 +254,13 @@ class CapacityLearner:
         self.overdraft = self._overdraft(target_s, goal if self.lend_to is None else self.lend_to * target_s, inflight)
         self.lend_now = min(self.overdraft, self._overdraft(target_s, self.lend_now_below * target_s, inflight))
         return self.budget
+
+    def _afresh(self) -> None:
+        """After a cut or a second of stalls: slow start is over, and the paces measured so far no
+        longer judge the budget (the ~20 s one only after 10 more updates)."""
+        self.pace = self.sustained = None
+        self._since_cut = 0
+        self._growing = False
 
     @property
     def growing(self) -> bool:

@@ -120,7 +120,7 @@ class ClusterSim:
                 v.cache = PrefixCache(blocks)
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
-        self.learners = ([CapacityLearner(engine.budget, slow_start=engine.capacity_slow_start, initial=int(engine.capacity_initial),
+        self.learners = ([CapacityLearner(engine.budget, slow_start=engine.capacity_slow_start, initial=engine.capacity_initial,
                                           on_stalls=engine.capacity_on_stalls,
                                           margin=engine.capacity_margin,
                                           overdraft_on=engine.capacity_overdraft, lend_now_below=engine.capacity_lend_now_below)
