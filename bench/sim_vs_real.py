@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from real_engines import TBT_S, TTFT_S, arrivals, build_model, prompt, start_vll
 
 from slogate.gateway.config import SLOConfig  # noqa: E402
 from slogate.predictors.length import make_estimator  # noqa: E402
+from slogate.router.capacity import LearnerKnobs  # noqa: E402
 from slogate.router.latency import LatencyCoeffs  # noqa: E402
 from slogate.router.request import SLO, SLOClass, Tier  # noqa: E402
 from slogate.router.scheduler import Scheduler  # noqa: E402
@@ -157,6 +159,10 @@ def plain_arrivals(rate: float, duration: float, seed: int, lengths: tuple[int, 
     return [{"i": i, "at": float(t), "kind": "plain", "n_in": lengths[0], "n_out": lengths[1]} for i, t in enumerate(ats[ats < duration])]
 
 
+# Older commands' names for `capacity:` knobs (docs/benchmarks.md): capacity_initial=4 is slow_start_budget.
+CAPACITY_ALIASES = {"initial": "slow_start_budget"}
+
+
 def _knob(value: str) -> int | float | str:
     for kind in (int, float):
         try:
@@ -168,11 +174,18 @@ def _knob(value: str) -> int | float | str:
 
 def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, replicas: int, seed: int) -> dict:
     # A named system, or any policy combination run as slogate runs it (learned budgets capped at 48);
-    # `NAME@FIELD=VALUE` sets one of the simulated gateway's EngineConfig fields (a knob), e.g. slogate@capacity_lend_now_below=0.7.
+    # `NAME@FIELD=VALUE` sets one of the simulated gateway's EngineConfig fields (a knob), e.g. slogate@capacity.lend_now_below=0.7
+    # (capacity.X or capacity_X: the gateway's `capacity:` knob X).
     system, _, knob = system.partition("@")
     combo, learn, budget, overdraft = SYSTEMS.get(system, (system, True, 48, True))
     field, _, value = knob.partition("=")
-    extra: dict = {field: _knob(value)} if knob else {}
+    knobs = replace(LearnerKnobs(), overdraft=overdraft)
+    extra: dict = {}
+    if field.startswith(("capacity.", "capacity_")):  # a `capacity:` knob, as slogate serve's config names it
+        name = CAPACITY_ALIASES.get(field[9:], field[9:])
+        knobs = replace(knobs, **{name: _knob(value)})
+    elif knob:
+        extra[field] = _knob(value)
     k = profile["prompt_tokens_per_n_in"]
     jobs = []
     for a in reqs:
@@ -184,7 +197,7 @@ def sim_run(profile: dict, reqs: list[dict], duration: float, system: str, repli
         jobs.append(Job(a["at"], SLOClass.LATENCY if a["kind"] == "latency" else SLOClass.DEADLINE, Tier(), slo, n_in, a["n_out"]))
     wl = Workload(jobs=jobs, span_s=duration, output_lengths=[a["n_out"] for a in reqs])
     eng = EngineConfig(LatencyCoeffs(**profile["coeffs"]), max_num_seqs=256, max_batched_tokens=2048, kv_capacity_tokens=KV_TOKENS,
-                       budget=budget, learn_budget=learn, capacity_overdraft=overdraft, **extra)
+                       budget=budget, learn_budget=learn, capacity=knobs, **extra)
     est = make_estimator("mean", wl.output_lengths, seed)
     sim = ClusterSim(wl, Scheduler.from_combo(combo, seed=seed), est, eng, n_replicas=replicas)
     res = sim.run()

@@ -241,3 +241,32 @@ def test_slow_start_doubles_between_updates_on_fresh_gaps_only() -> None:
     assert max(b) == 32 and b[-1] <= 19, b  # ... and the full update cuts it
     stalled = CapacityLearner(cap=64)  # a few gaps a step (its new prompts' prefills stall the batch)
     assert fine(stalled, lambda n: 0.002, 9, gaps_per_step=1) == [8] * 9  # fast, but never 10 fresh gaps between updates
+
+
+def test_the_gateway_and_the_simulator_build_the_same_learner_from_the_same_knobs() -> None:
+    """One set of knobs: `capacity:` in the gateway's config and the simulator's EngineConfig both
+    go through LearnerKnobs, so a knob added to one reaches the other (the simulator once lacked
+    `lend_to` and `overdraft_within_s`)."""
+    from dataclasses import fields
+
+    from slogate.gateway.config import CapacityConfig
+    from slogate.router.capacity import LearnerKnobs
+    from slogate.router.latency import PROFILES
+    from slogate.router.scheduler import Scheduler
+    from slogate.sim.cluster import ClusterSim, EngineConfig
+    from slogate.sim.workload import Workload
+
+    assert CapacityConfig().knobs() == LearnerKnobs()  # the same defaults
+    assert {f.name for f in fields(LearnerKnobs)} <= set(CapacityConfig.model_fields)
+    set_ = CapacityConfig(margin=0.7, slow_start_budget=4, on_stalls="cut", overdraft=False, overdraft_within_s=2.0,
+                          lend_to=0.8, lend_now_below=0.5).knobs()
+    live = set_.learner(48)
+    assert (live.margin, live.budget, live.on_stalls, live.overdraft_on, live.lend_to, live.lend_now_below) == (0.7, 4, "cut", False, 0.8, 0.5)
+    assert set_.learner(48, slow_start=False).budget == 48  # shared state: no slow start
+    assert set_.learner(48, start=20).budget == 20  # joining a running fleet
+    sched = Scheduler.from_combo("gmax+gorouting")
+    sim = ClusterSim(Workload(jobs=[], span_s=1.0), sched, None, EngineConfig(PROFILES["llama3.1-8b@a100-80g"], learn_budget=True, capacity=set_),
+                     n_replicas=2)
+    assert sim.learners is not None
+    assert [(lr.budget, lr.margin, lr.lend_to, lr.on_stalls) for lr in sim.learners] == [(4, 0.7, 0.8, "cut")] * 2
+    assert sched.at_risk_s == 2.0

@@ -21,6 +21,7 @@ docs/reference/configuration.md, generated from these models (`slogate reference
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -28,8 +29,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from slogate.router.capacity import AT_RISK_S, LearnerKnobs
 from slogate.router.latency import DEFAULT_PROFILE
-from slogate.router.scheduler import AT_RISK_S
 
 
 class _Strict(BaseModel):
@@ -185,6 +186,10 @@ class CapacityConfig(_Strict):
     engine_metrics_every_s: float = Field(5.0, ge=0, le=3600, description="Read a replica's /metrics this often while its KV cache is below "
                                           "half full and no other client's requests run there; at every health check otherwise "
                                           "(vLLM's API server spends ~13 ms of CPU rendering each read on a CPU engine).")
+
+    def knobs(self) -> LearnerKnobs:
+        """The learner's knobs, as the simulator takes them too (router/capacity.py)."""
+        return LearnerKnobs(**self.model_dump(include={f.name for f in dataclasses.fields(LearnerKnobs)}))
 
 
 class PrefixConfig(_Strict):

@@ -115,11 +115,7 @@ class Fleet:
             start = min(peers[len(peers) // 2], bc.budget) if peers and not checked else None
             # Not with shared state: a gateway joining others would begin below what their
             # requests hold there, claim nothing and measure nothing to grow by.
-            slow = cfg.capacity.slow_start and cfg.state.kind == "memory"
-            learner = CapacityLearner(bc.budget, start=start, slow_start=slow, margin=cfg.capacity.margin,
-                                      initial=cfg.capacity.slow_start_budget,
-                                      on_stalls=cfg.capacity.on_stalls, overdraft_on=cfg.capacity.overdraft,
-                                      lend_to=cfg.capacity.lend_to, lend_now_below=cfg.capacity.lend_now_below)
+            learner = cfg.capacity.knobs().learner(bc.budget, start=start, slow_start=cfg.state.kind == "memory")
         view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
         view.healthy = checked
         if cfg.prefix.enabled:

@@ -56,6 +56,10 @@ from slogate.router.request import Request, SLOClass
 if TYPE_CHECKING:
     from slogate.router.view import ReplicaView
 
+# A latency request whose first token is due within this much more than its prefill takes cannot
+# wait for a slot to free (a stream lasts seconds): it may take an overdraft slot.
+AT_RISK_S = 0.5
+
 
 @dataclass
 class _Bin:
@@ -299,6 +303,30 @@ class CapacityLearner:
         ceiling = min(int((target_s - a) / slope) if target_s > a else 0, self.cap)
         more = int((lend_goal - self.pace) / slope)
         return max(0, min(inflight + more, ceiling) - self.budget)
+
+
+@dataclass(frozen=True)
+class LearnerKnobs:
+    """What an operator sets about learned budgets: the gateway's `capacity:` section
+    (`CapacityConfig.knobs()`) and the simulator's `EngineConfig.capacity`. Both build their
+    learners here, so the simulator studies the learner the gateway runs, not a copy of its
+    arguments that drifts (the simulator's lacked `lend_to` and `overdraft_within_s`)."""
+
+    margin: float = 0.85
+    slow_start: bool = True
+    slow_start_budget: int = 8
+    on_stalls: str = "end"
+    overdraft: bool = True
+    overdraft_within_s: float = AT_RISK_S  # the scheduler's side of lending (Scheduler.at_risk_s)
+    lend_to: float | None = None
+    lend_now_below: float = 0.0
+
+    def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
+        """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the
+        caller's circumstances (a replica joining a running fleet, shared state)."""
+        return CapacityLearner(cap, start=start, slow_start=self.slow_start and slow_start, initial=self.slow_start_budget,
+                               margin=self.margin, on_stalls=self.on_stalls, overdraft_on=self.overdraft,
+                               lend_to=self.lend_to, lend_now_below=self.lend_now_below)
 
 
 def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0) -> int:

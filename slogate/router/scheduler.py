@@ -5,15 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from slogate.router.capacity import AT_RISK_S
 from slogate.router.placement.base import PlacementPolicy
 from slogate.router.policies.base import OrderingPolicy
 from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
 from slogate.router.request import Request, SLOClass
 from slogate.router.view import ReplicaView
-
-# A latency request whose first token is due within this much more than its prefill takes cannot
-# wait for a slot to free (a stream lasts seconds): it may take an overdraft slot.
-AT_RISK_S = 0.5
 
 
 @dataclass(slots=True)

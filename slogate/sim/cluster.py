@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from slogate.predictors.length import LengthEstimator
 from slogate.predictors.pattern_graph import PatternStore, StageNode
-from slogate.router.capacity import CapacityLearner, learned_budget
+from slogate.router.capacity import LearnerKnobs, learned_budget
 from slogate.router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from slogate.router.latency import BatchLatencyModel, LatencyCoeffs
 from slogate.router.lifecycle import Lifecycle, call_goodput
@@ -39,12 +39,7 @@ class EngineConfig:
     budget: int = 48  # gateway's per-replica concurrency budget
     speed_factors: list[float] | None = None  # per-replica slowdown (heterogeneous fleet)
     learn_budget: bool = False  # the live gateway's learned budgets (router/capacity.py), `budget` the cap
-    capacity_margin: float = 0.85
-    capacity_overdraft: bool = True  # lend slots above the learned budget to first tokens that cannot wait
-    capacity_lend_now_below: float = 0.0  # and to any latency request while the pace stays below this share of the target
-    capacity_slow_start: bool = True  # each replica's learned budget starts at 8 and doubles while full and fast (router/capacity.py)
-    capacity_initial: int = 8  # where slow start begins (`capacity.slow_start_budget`)
-    capacity_on_stalls: str = "end"  # slow start on a second of stalls (`capacity.on_stalls`)
+    capacity: LearnerKnobs = field(default_factory=LearnerKnobs)  # the gateway's `capacity:` knobs, as it runs them
     prefix_index: bool = True  # the gateway tracks where each replica's prefix cache is (prefix workloads)
 
 
@@ -120,12 +115,9 @@ class ClusterSim:
                 v.cache = PrefixCache(blocks)
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
-        self.learners = ([CapacityLearner(engine.budget, slow_start=engine.capacity_slow_start, initial=engine.capacity_initial,
-                                          on_stalls=engine.capacity_on_stalls,
-                                          margin=engine.capacity_margin,
-                                          overdraft_on=engine.capacity_overdraft, lend_now_below=engine.capacity_lend_now_below)
-                          for _ in range(n_replicas)]
-                         if engine.learn_budget else None)
+        self.learners = [engine.capacity.learner(engine.budget) for _ in range(n_replicas)] if engine.learn_budget else None
+        if engine.learn_budget:
+            scheduler.at_risk_s = engine.capacity.overdraft_within_s
         for v, lr in zip(self.views, self.learners or (), strict=False):
             v.budget = lr.budget
         self.budget_samples: list[int] = []
