@@ -383,3 +383,25 @@ def test_gmax_strict_ttft_by_default_sheds_a_first_token_that_can_only_be_late_c
     assert sel.shed == [(late, "slo_unattainable")] and {r.rid for r in sel.dispatch} == {2, 3}
     late.ttft_chosen = False  # on the built-in default TTFT: a client that asked for none gets it late
     assert GMAX(preempt=False, strict_ttft=True).select(1.2, [late], 4, [view(budget=4)]).shed == []
+
+
+def test_gmax_refuses_a_first_token_only_when_even_the_fastest_recent_prefill_would_be_late() -> None:
+    """A 429 must be right: the estimate (the median of the measured first tokens, most of them
+    timed on replicas also decoding) prices a prefill at 4× what the fastest recent ones took;
+    a request on time at that fastest pace is kept (and dispatched where there is room), one late
+    even then is shed."""
+    rep = view(budget=4)
+    m = rep.model
+    est = m.raw_prefill(1000) + m.coeffs.t_c
+    for ratio in [10.0] * 4 + [40.0] * 28:
+        m.observe_prefill(ratio * est, 1000)
+    assert m.beta_p == 40.0 and m.beta_p_fast == 10.0
+    maybe = req(1, arrival=0.0, inp=1000, slo=SLO.latency(1.0, 0.05), bound=50)  # ~3.5 s by the median, ~0.9 s at the fastest
+    never = req(2, arrival=0.0, inp=1000, slo=SLO.latency(0.5, 0.05), bound=50)
+    sel = GMAX(preempt=False).select(0.0, [maybe, never], 4, [rep])
+    assert sel.shed == [(never, "slo_unattainable")]
+    assert [r.rid for r in sel.dispatch] == [1]
+    # Deadline answers too: refused only when even the fastest prefill misses the deadline.
+    tight = req(3, arrival=0.0, inp=1000, slo=SLO.deadline(0.8), bound=1)
+    ok = req(4, arrival=0.0, inp=1000, slo=SLO.deadline(1.5), bound=1)
+    assert GMAX(preempt=False).select(0.0, [tight, ok], 4, [rep]).shed == [(tight, "slo_unattainable")]

@@ -171,17 +171,30 @@ class GMAX(OrderingPolicy):
         # cached part still costs): a long conversation whose history is cached is cheap.
         hit = np.fromiter((best_cached(r, replicas, now, self.frame_s) for r in reqs), dtype=np.float64, count=n)
         new = ctx - np.minimum(hit, ctx)
-        pf = model.beta_p * (c.a_p * new * new + c.b_p * new * hit + c.c_p * new) + model.t_c
+        raw_pf = c.a_p * new * new + c.b_p * new * hit + c.c_p * new
+        pf = model.beta_p * raw_pf + model.t_c
         t_gen = pf + L * v
         is_lat = kind == LATENCY_CODE
         # Latency: tokens i ≥ i0 can still meet arrival + TTFT + i·TBT when decoding at v.
-        late = now + pf - (arrival + ttft + gen * tbt)
+        due = arrival + ttft + gen * tbt
         slack_rate = np.maximum(tbt - v, 1e-9)
-        i0 = np.where(late <= 0, 0.0, np.where(tbt > v, np.ceil(late / slack_rate), L))
-        lat_good = np.maximum(L - i0, 0.0)
+
+        def on_time(late: np.ndarray) -> np.ndarray:  # tokens that can still meet the timeline
+            i0 = np.where(late <= 0, 0.0, np.where(tbt > v, np.ceil(late / slack_rate), L))
+            return np.maximum(L - i0, 0.0)
+
+        late = now + pf - due
+        lat_good = on_time(late)
+        # A refusal holds against the fastest prefill seen lately, not the estimate: only what
+        # cannot be on time even then is shed (a 429 must be right).
+        pf_fast = model.beta_p_fast * raw_pf + model.t_c
+        late_fast = now + pf_fast - due
+        lat_alive = on_time(late_fast) > 0
         if self.strict_ttft:
             chosen = np.fromiter((r.ttft_chosen for r in reqs), dtype=bool, count=n)
-            lat_good = np.where(chosen & (gen == 0) & (late > 0), 0.0, lat_good)
+            unstarted = chosen & (gen == 0)
+            lat_good = np.where(unstarted & (late > 0), 0.0, lat_good)
+            lat_alive &= ~(unstarted & (late_fast > 0))
         # Deadline-type: all-or-nothing on the (sub-)deadline; a compound call that misses
         # its stage sub-deadline but still fits the workflow deadline keeps half its value.
         # Best effort is never worthless: it keeps its value past its default deadline and
@@ -196,7 +209,7 @@ class GMAX(OrderingPolicy):
         priority = (goodput + self.delta * frames) / np.maximum(t_gen, 1e-6)
         # Expired: nothing can be earned any more.
         hard_dl = np.where(wf_dl > 0, wf_dl, dl)
-        expired = np.where(is_lat, lat_good <= 0, (now + pf >= hard_dl) & ~is_be)
+        expired = np.where(is_lat, ~lat_alive, (now + pf_fast >= hard_dl) & ~is_be)
         if self.fairness > 0 and n:
             share = np.fromiter((self.served.get(r.tenant, 0.0) for r in reqs), dtype=np.float64, count=n)
             top = share.max()
