@@ -29,7 +29,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from slogate.router.capacity import AT_RISK_S, LearnerKnobs
+from slogate.router.capacity import LearnerKnobs
 from slogate.router.latency import DEFAULT_PROFILE
 
 
@@ -163,23 +163,23 @@ class CapacityConfig(_Strict):
     """Each replica's budget learned from measured inter-token times (router/capacity.py)."""
 
     learn: bool = Field(True, description="Learn each replica's SLO-safe concurrency online; `backends[].budget` stays the upper bound.")
-    margin: float = Field(0.85, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
-    slow_start: bool = Field(True, description="A replica the gateway starts with begins at `slow_start_budget` (8) and doubles it while it is full "
+    margin: float = Field(LearnerKnobs.margin, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
+    slow_start: bool = Field(LearnerKnobs.slow_start, description="A replica the gateway starts with begins at `slow_start_budget` (8) and doubles it while it is full "
                              "and measured fast, until its first cut (false: it begins at `backends[].budget`). A replica that joins a "
                              "running fleet begins at its peers' learned budget either way; with shared state (`state.kind: redis`) "
                              "at `backends[].budget`, since other gateways' requests may already hold more than 8 there.")
-    slow_start_budget: int = Field(8, ge=1, description="The budget slow start begins a replica at (within `backends[].budget`).")
-    on_stalls: Literal["cut", "end"] = Field("end", description="What slow start does on a second whose mean inter-token gap is over "
+    slow_start_budget: int = Field(LearnerKnobs.slow_start_budget, ge=1, description="The budget slow start begins a replica at (within `backends[].budget`).")
+    on_stalls: Literal["cut", "end"] = Field(LearnerKnobs.on_stalls, description="What slow start does on a second whose mean inter-token gap is over "
                                             "the target but whose median is below half the goal (stalls: a burst's prefills, the host busy "
                                             "elsewhere): end slow start and keep the budget, or cut it as on any slow second.")
-    overdraft: bool = Field(True, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
+    overdraft: bool = Field(LearnerKnobs.overdraft, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
                             "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
-    overdraft_within_s: float = Field(AT_RISK_S, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "
+    overdraft_within_s: float = Field(LearnerKnobs.overdraft_within_s, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "
                                       "this many seconds beyond what its prefill takes (until then it waits for a slot to free).")
-    lend_now_below: float = Field(0.0, ge=0, le=1, description="While a replica's measured pace stays below this share of the TBT target, "
+    lend_now_below: float = Field(LearnerKnobs.lend_now_below, ge=0, le=1, description="While a replica's measured pace stays below this share of the TBT target, "
                                   "any latency request may take a lent slot at once, not only one whose first token is due within "
                                   "`overdraft_within_s` (0: off).")
-    lend_to: float | None = Field(None, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
+    lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "
                                  "each health check: traffic that bypasses the gateway takes from the budget; a full KV cache stops admission.")

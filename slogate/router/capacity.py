@@ -312,14 +312,14 @@ class LearnerKnobs:
     learners here, so the simulator studies the learner the gateway runs, not a copy of its
     arguments that drifts (the simulator's lacked `lend_to` and `overdraft_within_s`)."""
 
-    margin: float = 0.85
-    slow_start: bool = True
-    slow_start_budget: int = 8
-    on_stalls: str = "end"
-    overdraft: bool = True
+    margin: float = CapacityLearner.margin  # every default is the learner's own
+    slow_start: bool = CapacityLearner.slow_start
+    slow_start_budget: int = CapacityLearner.initial
+    on_stalls: str = CapacityLearner.on_stalls
+    overdraft: bool = CapacityLearner.overdraft_on
     overdraft_within_s: float = AT_RISK_S  # the scheduler's side of lending (Scheduler.at_risk_s)
-    lend_to: float | None = None
-    lend_now_below: float = 0.0
+    lend_to: float | None = CapacityLearner.lend_to
+    lend_now_below: float = CapacityLearner.lend_now_below
 
     def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the

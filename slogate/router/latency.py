@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
-from statistics import median_high
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +78,7 @@ class BatchLatencyModel:
         estimates, counts first tokens timed on replicas also busy decoding; on real vLLM it
         refused 1,000–1,200-token prompts on a fleet with room that round robin served in 0.5–0.6 s
         (docs/benchmarks.md, "Sitting AG")."""
-        return self.beta_p if self.beta_p_fast_learned is None else min(self.beta_p_fast_learned, self.beta_p)
+        return self.beta_p if self.beta_p_fast_learned is None else self.beta_p_fast_learned
 
     @classmethod
     def named(cls, profile: str = DEFAULT_PROFILE) -> BatchLatencyModel:
@@ -142,8 +141,9 @@ class BatchLatencyModel:
         if est <= 0 or real_s <= 0:
             return
         self._p_window.append(real_s / est)
-        self.beta_p_learned = median_high(self._p_window)
-        self.beta_p_fast_learned = sorted(self._p_window)[len(self._p_window) // 10]
+        ratios = sorted(self._p_window)
+        self.beta_p_learned = ratios[len(ratios) // 2]  # the median (high)
+        self.beta_p_fast_learned = ratios[len(ratios) // 10]
 
     def observe(self, real_s: float, estimated_raw_s: float) -> None:
         """Feed one measured batch (or token interval) against its uncorrected estimate."""

@@ -115,9 +115,10 @@ class ClusterSim:
                 v.cache = PrefixCache(blocks)
         # Learned budgets as the live gateway runs them: per-token gaps charged to everything the
         # replica holds, re-decided once a second against the streams' affordable pace.
-        self.learners = [engine.capacity.learner(engine.budget) for _ in range(n_replicas)] if engine.learn_budget else None
+        self.learners = None
         if engine.learn_budget:
-            scheduler.at_risk_s = engine.capacity.overdraft_within_s
+            self.learners = [engine.capacity.learner(engine.budget) for _ in range(n_replicas)]
+            scheduler.at_risk_s = engine.capacity.overdraft_within_s  # the gateway's side of lending (Scheduler's at_risk_s)
         for v, lr in zip(self.views, self.learners or (), strict=False):
             v.budget = lr.budget
         self.budget_samples: list[int] = []
