@@ -321,9 +321,10 @@ class Fleet:
                     lr = b.learner
                     g = sorted(lr.last_second)
                     log.debug("budget %s: %d (holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s; "
-                              "last second: %d gaps, mean %s, median %s, max %s; slow start %s)",
+                              "last second: %d gaps, mean %s, median %s, max %s; slow start %s; bins %s)",
                               b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace, len(g),
-                              *((round(sum(g) / len(g), 4), g[len(g) // 2], g[-1]) if g else (None, None, None)), lr.growing)
+                              *((round(sum(g) / len(g), 4), g[len(g) // 2], g[-1]) if g else (None, None, None)), lr.growing,
+                              lr.bins_summary())
             budget = max(1, learned - ext)
             overdraft, now_ = (b.learner.overdraft, b.learner.lend_now) if b.learner is not None else (0, 0)
             if b.kv_usage is not None and b.kv_usage >= KV_FULL:

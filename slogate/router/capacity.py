@@ -144,6 +144,10 @@ class CapacityLearner:
         self.recent.append(gap_s)
         self.recent_n.append(n)
 
+    def bins_summary(self) -> dict[int, tuple[float, float]]:
+        """n -> (median gap in ms, weight): what the line is fitted on (the gateway's debug log)."""
+        return {n: (round(1000 * median(b.gaps), 1), round(b.weight, 1)) for n, b in sorted(self.bins.items())}
+
     def _line(self) -> tuple[float, float] | None:
         pts = [(n, median(b.gaps), b.weight) for n, b in self.bins.items() if b.weight >= self.min_weight]
         if len(pts) < 4 or max(p[0] for p in pts) - min(p[0] for p in pts) < 4:  # a short span extrapolates badly
