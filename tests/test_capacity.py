@@ -270,3 +270,14 @@ def test_the_gateway_and_the_simulator_build_the_same_learner_from_the_same_knob
     assert sim.learners is not None
     assert [(lr.budget, lr.margin, lr.lend_to, lr.on_stalls) for lr in sim.learners] == [(4, 0.7, 0.8, "cut")] * 2
     assert sched.at_risk_s == 2.0
+
+
+def test_the_bins_summary_shows_what_the_line_is_fitted_on() -> None:
+    """The gateway's debug log prints each replica's bins (n -> median gap in ms, weight): how a
+    learned budget at the knee was read against the engine's own step per n (docs/benchmarks.md,
+    guidellm sitting AK). Medians, not means: one stall must not show as the batch's cost."""
+    lr = CapacityLearner(cap=64)
+    for n, gaps in ((2, [0.020, 0.021, 0.022, 0.9]), (5, [0.030, 0.031, 0.029])):
+        for g in gaps:
+            lr.observe(n, g)
+    assert lr.bins_summary() == {2: (21.5, 4.0), 5: (30.0, 3.0)}
