@@ -233,3 +233,20 @@ def test_workflow_calls_resend_their_context_and_hit_it(block):
         assert res.prefix_hits == 1984 + 2560
     else:
         assert res.prefix_hits == 0
+
+
+def test_gmax_prices_a_turn_by_what_the_free_replicas_cache():
+    """`cache_where_room` (default on): with only some replicas free, a turn whose history sits on a full
+    replica is priced at the prefill it would pay in a free slot, not as the cheap hit it would be
+    on its holder (which ranked it first, to be placed where it misses)."""
+    conv = tuple(range(40))
+    holder, other = cached_view(0, budget=1), cached_view(1, budget=1)
+    holder.cache.insert(conv)
+    holder.claim(preq(50, (900,), slo=SLO.deadline(60.0)), 0.0)  # the holder is full
+    turn = preq(1, (*conv, 41), slo=SLO.deadline(30.0))
+    _, _, t_best, _, _ = GMAX(seed=0, cache_where_room=False).estimate(0.0, [turn], [holder, other])
+    _, _, t_room, _, _ = GMAX(seed=0).estimate(0.0, [turn], [holder, other])
+    assert t_room[0] > 3 * t_best[0]
+    other.cache.insert(conv)  # the free replica holds it too: cheap again
+    _, _, t_both, _, _ = GMAX(seed=0).estimate(0.0, [turn], [holder, other])
+    assert t_both[0] == pytest.approx(t_best[0])
