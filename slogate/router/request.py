@@ -130,6 +130,8 @@ class Request:
     session: int = 0  # a client's session key (hashed), for sticky placements; 0: none
     best_cached: int = 0  # the largest prefix hit on any replica, as of `best_cached_at`
     best_cached_at: float = -math.inf
+    # The same over the replicas with a free slot (GMAX's `cache_where_room`): (their rids, when, hit)
+    room_cached: tuple[tuple[int, ...], float, int] | None = None
     # Static SLO features for vectorised policies, computed once (the SLO never changes).
     static: tuple[float, ...] = field(default=(), repr=False)
 

@@ -204,6 +204,18 @@ def best_cached(req: Request, replicas: Sequence[ReplicaView], now: float, max_a
     return req.best_cached
 
 
+def room_cached(req: Request, room: Sequence[ReplicaView], now: float, max_age: float) -> int:
+    """The most prompt tokens of `req` the replicas in `room` hold (those with a free slot now),
+    kept like `best_cached` while the same replicas have room."""
+    key = tuple(p.rid for p in room)
+    c = req.room_cached
+    if c is not None and c[0] == key and now - c[1] < max_age:
+        return c[2]
+    hit = max(p.cached_tokens(req) for p in room)
+    req.room_cached = (key, now, hit)
+    return hit
+
+
 def fleet_speed(replicas: Sequence[ReplicaView]) -> tuple[list[ReplicaView], BatchLatencyModel, float]:
     """Healthy replicas (all if none is), the latency model to price prefills with, and the
     mean per-token time over them — what cluster-wide orderings estimate with."""

@@ -42,7 +42,7 @@ import numpy as np
 
 from slogate.router.policies.base import OrderingPolicy, Selection
 from slogate.router.request import BEST_EFFORT_CODE, LATENCY_CODE, N_STATIC, Request, SLOClass
-from slogate.router.view import ReplicaView, best_cached, fleet_speed
+from slogate.router.view import ReplicaView, best_cached, fleet_speed, room_cached
 
 _STATIC = attrgetter("static")
 _DYNAMIC = attrgetter("arrival", "input_tokens", "generated", "len_bound")
@@ -180,7 +180,7 @@ class GMAX(OrderingPolicy):
         room = [p for p in replicas if p.free > 0 and p.cache is not None] if self.cache_where_room else []
         if room and len(room) < len(replicas):
             for i in np.flatnonzero(hit):  # only requests cached somewhere: a queue of cold prompts costs nothing more
-                hit[i] = max(p.cached_tokens(reqs[i]) for p in room)
+                hit[i] = room_cached(reqs[i], room, now, self.frame_s)
         new = ctx - np.minimum(hit, ctx)
         raw_pf = c.a_p * new * new + c.b_p * new * hit + c.c_p * new
         pf = model.beta_p * raw_pf + model.t_c
