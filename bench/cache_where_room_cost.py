@@ -13,27 +13,28 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slogate.router.latency import BatchLatencyModel
 from slogate.router.policies import GMAX
 from slogate.router.prefix import PrefixCache
-from slogate.router.request import SLO
-from tests.helpers import req, view
+from slogate.router.request import SLO, Request
+from slogate.router.view import ReplicaView
 
 
 def run(n_wait: int, on: bool, reps: int = 20) -> float:
     """Median milliseconds of one estimate over `n_wait` waiting turns."""
     views = []
     for i in range(8):
-        v = view(i, budget=1 if i == 0 else 64)
+        v = ReplicaView(i, BatchLatencyModel.named(), budget=1 if i == 0 else 64)
         v.cache = PrefixCache(200_000)
         views.append(v)
     reqs = []
     for k in range(n_wait):
         blocks = tuple(range(k * 100, k * 100 + 64))
         views[0].cache.insert(blocks)  # every turn's history on the full replica
-        r = req(k, inp=64 * 32, slo=SLO.deadline(30.0))
+        r = Request(k, 0.0, 64 * 32, SLO.deadline(30.0))
         r.prefix, r.tokens_per_block = (*blocks, 10**9 + k), 32.0
         reqs.append(r)
-    views[0].claim(req(10**6, inp=10, slo=SLO.deadline(60.0)), 0.0)  # replica 0 is full
+    views[0].claim(Request(10**6, 0.0, 10, SLO.deadline(60.0)), 0.0)  # replica 0 is full
     g = GMAX(seed=0, cache_where_room=on)
     ts = []
     for i in range(reps):
