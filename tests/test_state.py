@@ -113,3 +113,36 @@ def test_rate_limits_count_requests_and_tokens_per_window(store) -> None:
         assert (await store.rate("other", 60, 3, 10, None))[0]  # subjects are separate
 
     run(store, go)
+
+
+def test_prefixes_published_are_read_in_order_and_a_new_reader_gets_the_history(redis_url) -> None:
+    prefix = f"t{next(_ns)}"
+    big = (1 << 64) - 1  # hashes are unsigned 64-bit: the top bit must survive the round trip
+
+    async def go() -> None:
+        a, b = RedisStore(redis_url, prefix=prefix, timeout_s=5.0), RedisStore(redis_url, prefix=prefix, timeout_s=5.0)
+        try:
+            at, got = await b.read_prefixes("0", 100)
+            assert got == [] and at == "0"
+            await a.publish_prefixes("gw1", [("http://r1", (1, 2, big)), ("http://r2", (7,))])
+            at, got = await b.read_prefixes(at, 100)
+            assert got == [("gw1", "http://r1", [1, 2, big]), ("gw1", "http://r2", [7])]
+            await a.publish_prefixes("gw1", [("http://r1", (3,))])
+            at2, got = await b.read_prefixes(at, 1)  # from where it was: only the new one
+            assert got == [("gw1", "http://r1", [3])] and at2 != at
+            _, got = await b.read_prefixes("0", 2)  # a gateway that starts: the history, a batch at a time
+            assert [g[2] for g in got] == [[1, 2, big], [7]]
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
+def test_the_memory_store_shares_no_prefixes() -> None:
+    async def go() -> None:
+        s = MemoryStore()
+        await s.publish_prefixes("gw1", [("http://r1", (1,))])
+        assert await s.read_prefixes("0", 10) == ("0", [])
+
+    asyncio.run(go())

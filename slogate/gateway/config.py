@@ -199,6 +199,9 @@ class PrefixConfig(_Strict):
                           "the replica does not already hold.")
     block_chars: int = Field(128, ge=16, le=65_536, description="Prompt characters per block (about 32 tokens of English); hits count whole blocks.")
     kv_tokens: int = Field(100_000, ge=1, description="A replica's KV cache in tokens where neither `backends[].kv_cache_tokens` nor its /metrics says.")
+    share: bool = Field(True, description="With shared state (`state.kind: redis`), gateways tell each other which prompts they sent where "
+                        "(a Redis stream of the last 20,000 dispatches, read at every sync), so each one's picture of every replica's "
+                        "cache holds the others' requests too; a gateway that starts reads the history. Off: each learns from its own.")
 
 
 class DiscoveryConfig(_Strict):

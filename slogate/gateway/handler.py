@@ -107,7 +107,7 @@ class Gateway:
         self.predictor = predictor
         self.groups: dict[str, Admission] = {}
         self._retired: list[Admission] = []  # queues of the policies before a reload: they finish their requests
-        self.state = StateSync(cfg.state, self.fleet, self.metrics, self._running)
+        self.state = StateSync(cfg.state, self.fleet, self.metrics, self._running, share_prefixes=cfg.prefix.enabled and cfg.prefix.share)
         self.auth = Authenticator(cfg.auth, self.state.store)
         self.upstream = Upstream(cfg, self.fleet, self.metrics)
         self.relay = Relay(self.upstream, self.metrics)

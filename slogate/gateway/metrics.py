@@ -44,6 +44,10 @@ class Metrics:
         self.prompt_tokens = Counter("slogate_prompt_tokens_total", "Prompt tokens dispatched (estimated: 4 characters a token)", ["backend"], registry=r)
         self.prefix_cached = Counter("slogate_prefix_cached_tokens_total", "Of those, the tokens the gateway expected the replica's prefix cache "
                                      "to hold", ["backend"], registry=r)
+        self.prefix_shared = Counter("slogate_prefix_shared_total", "Dispatched prompts this gateway told the others about (sent) and "
+                                     "put into its replicas' prefix indexes from theirs (received), with shared state", ["direction"], registry=r)
+        for d in ("sent", "received"):
+            self.prefix_shared.labels(d)
         self.resumes = Counter("slogate_resumes_total", "Streams moved mid-answer from a failed replica and continued on another "
                                "(the failed one named)", ["backend"], registry=r)
         self.resume_gap = Histogram("slogate_resume_gap_seconds", "The gap a resumed stream's client saw: last token before the failure or preemption "

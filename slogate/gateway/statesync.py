@@ -3,8 +3,10 @@ store (Redis), and what a gateway does while the store is away.
 
 Each dispatch is confirmed by an atomic claim against the replica's budget; releases and first
 tokens are handed to the store in the background; a sync loop heartbeats, renews this gateway's
-claims and turns the other gateways' entries into remote load in the replica views. While the
-store is down the gateway serves on local state within its share of each budget.
+claims and turns the other gateways' entries into remote load in the replica views, and tells the
+others which prompts this gateway sent where (and learns theirs), so every gateway's picture of
+each replica's prefix cache holds every gateway's requests. While the store is down the gateway
+serves on local state within its share of each budget.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +32,8 @@ log = logging.getLogger("slogate.gateway")
 
 
 class StateSync:
-    def __init__(self, sc: StateConfig, fleet: Fleet, metrics: Metrics, running: Callable[[], list[Ticket]]) -> None:
+    def __init__(self, sc: StateConfig, fleet: Fleet, metrics: Metrics, running: Callable[[], list[Ticket]],
+                 share_prefixes: bool = True) -> None:
         self.sc = sc
         self.fleet = fleet
         self.metrics = metrics
@@ -46,6 +50,11 @@ class StateSync:
         self._outage_at = 0.0
         self._remote_at_outage: dict[int, int] = {}
         self._bg: set[asyncio.Task[None]] = set()
+        # Prompts dispatched since the last sync, for the other gateways' prefix indexes (bounded:
+        # an outage drops the oldest, which only makes their picture a little staler).
+        self.share_prefixes = share_prefixes and self.shared
+        self._prefixes_out: deque[tuple[str, tuple[int, ...]]] = deque(maxlen=4096)
+        self._prefixes_at = "0"  # where in the store's prefix history this gateway has read to
 
     def key(self, rid: int) -> str:
         return self.fleet.by_rid[rid].cfg.url  # the same replica is the same key in every gateway
@@ -70,6 +79,8 @@ class StateSync:
         """Claim the slot the local decision took, atomically across gateways."""
         assert t.replica is not None
         if self.degraded:
+            if self.share_prefixes and t.req.prefix:
+                self._prefixes_out.append((self.key(t.replica), t.req.prefix))  # sent once the store is back
             return True  # no per-request timeouts while the store is down; the sync loop probes it
         e = Entry(self.entry_id(t), self.instance, "prefill", t.req.input_tokens, t.req.len_bound, 0.0)
         view = self.fleet.by_rid[t.replica].view
@@ -77,11 +88,14 @@ class StateSync:
         # bounds every gateway's claims together by the same lent ceiling.
         limit = view.budget + view.overdraft
         try:
-            return await self.store.claim(self.key(t.replica), e, limit, self.sc.lease_s)
+            ok = await self.store.claim(self.key(t.replica), e, limit, self.sc.lease_s)
         except StateUnavailable as err:
             # The decision was made before the store went away; re-judge it within the local share.
             self._degrade(err)
             return view.inflight <= limit
+        if ok and self.share_prefixes and t.req.prefix:
+            self._prefixes_out.append((self.key(t.replica), t.req.prefix))
+        return ok
 
     def released(self, t: Ticket) -> None:
         if t.replica is None or not self.shared:
@@ -155,6 +169,8 @@ class StateSync:
             for key, ids in mine.items():
                 await self.store.renew(key, ids, self.sc.lease_s)
             snap = await self.store.snapshot(keys)
+            if self.share_prefixes:
+                await self._share_prefixes()
         except StateUnavailable as err:
             self._degrade(err)
             return
@@ -183,6 +199,28 @@ class StateSync:
             b.view.set_remote(len(pre), len(dec), sum(e.input_tokens for e in dec),
                               sum(b.view.model.raw_prefill(e.input_tokens) for e in pre))
         self.metrics.gateways.set(self.n_gateways)
+
+    async def _share_prefixes(self, batch: int = 2000) -> None:
+        """Send the prompts dispatched since the last sync; put the other gateways' into the
+        replicas' prefix indexes (a new gateway reads the store's whole history, a batch at a time)."""
+        out = list(self._prefixes_out)
+        if out:
+            await self.store.publish_prefixes(self.instance, out)
+            for _ in out:
+                self._prefixes_out.popleft()  # sent: not again after an outage
+            self.metrics.prefix_shared.labels("sent").inc(len(out))
+        by_url = {b.cfg.url: b for b in self.fleet.backends}
+        for _ in range(10):  # at most 10 batches a sync: catching up never holds the loop long
+            self._prefixes_at, got = await self.store.read_prefixes(self._prefixes_at, batch)
+            n = 0
+            for owner, replica, hashes in got:
+                b = by_url.get(replica)
+                if owner != self.instance and b is not None and b.view.cache is not None:
+                    b.view.cache.insert(hashes)
+                    n += 1
+            self.metrics.prefix_shared.labels("received").inc(n)
+            if len(got) < batch:
+                break
 
     async def sync_loop(self) -> None:
         while True:

@@ -71,5 +71,14 @@ class SlotStore(ABC):
         """This gateway is shutting down: the others stop counting it at once (not after its
         heartbeat's TTL), so their share of each budget grows back."""
 
+    async def publish_prefixes(self, owner: str, items: list[tuple[str, tuple[int, ...]]]) -> None:  # noqa: B027 - optional
+        """Tell the other gateways which prompts (their chained block hashes) `owner` sent to
+        which replica, so their pictures of each replica's prefix cache hold them too."""
+
+    async def read_prefixes(self, after: str, count: int) -> tuple[str, list[tuple[str, str, list[int]]]]:
+        """At most `count` of the prompts published after position `after` ("0": the history the
+        store keeps) as (owner, replica, block hashes), oldest first, and the position to read on from."""
+        return after, []
+
     async def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -8,6 +8,7 @@ it can never go negative. Times come from Redis (`TIME`), never from the gateway
 
 from __future__ import annotations
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -108,6 +109,9 @@ return {1, '0'}
 """
 
 
+PREFIX_HISTORY = 20_000  # dispatches the prefix stream keeps (~1 KB each at 64 blocks)
+
+
 class RedisStore(SlotStore):
     kind = "redis"
 
@@ -184,6 +188,34 @@ class RedisStore(SlotStore):
             await self.r.zrem(f"{self.prefix}:gateways", owner)
         except (RedisError, OSError) as e:
             raise StateUnavailable(str(e)) from e
+
+    async def publish_prefixes(self, owner: str, items: list[tuple[str, tuple[int, ...]]]) -> None:
+        if not items:
+            return
+        key = f"{self.prefix}:prefixes"
+        try:
+            async with self.r.pipeline(transaction=False) as p:
+                for replica, hashes in items:
+                    p.xadd(key, {"o": owner, "r": replica, "h": np.asarray(hashes, dtype="<u8").tobytes().hex()},
+                           maxlen=PREFIX_HISTORY, approximate=True)
+                await p.execute()
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+
+    async def read_prefixes(self, after: str, count: int) -> tuple[str, list[tuple[str, str, list[int]]]]:
+        try:
+            got = await self.r.xread({f"{self.prefix}:prefixes": after}, count=count)
+        except (RedisError, OSError) as e:
+            raise StateUnavailable(str(e)) from e
+        out = []
+        for _, entries in got or ():
+            for eid, f in entries:
+                after = eid
+                try:
+                    out.append((f["o"], f["r"], np.frombuffer(bytes.fromhex(f["h"]), dtype="<u8").tolist()))
+                except (KeyError, ValueError):
+                    continue  # not ours to read (another version's entry): skip it
+        return after, out
 
     async def close(self) -> None:
         await self.r.aclose()
