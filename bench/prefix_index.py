@@ -1,8 +1,9 @@
 """What the prefix index costs the gateway per request, and its memory.
 
 Per request the gateway hashes the prompt's text blocks once, looks its hashes up in every
-replica's index (placement, and GMAX once a frame) and inserts them where it is dispatched. This
-times those steps for a 64-block prompt (8,192 characters, ~2k tokens) over 8 replicas whose
+replica's index (placement, and GMAX once a frame) and inserts them where it is dispatched; with
+several gateways sharing state (`prefix.share`) it also encodes each dispatch for the Redis stream
+and every other gateway decodes and inserts it (gateway/state/redis.py). This times those steps for a 64-block prompt (8,192 characters, ~2k tokens) over 8 replicas whose
 indexes are full (LRU evicting on every insert), and measures an index's memory per block.
 
     python bench/prefix_index.py --out bench/results/prefix_index.json
@@ -22,6 +23,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slogate.gateway.state.redis import decode_hashes, encode_hashes
 from slogate.router.latency import PROFILES, BatchLatencyModel
 from slogate.router.prefix import BLOCK_CHARS, PrefixCache, text_block_hashes
 from slogate.router.request import SLO, Request
@@ -39,6 +41,10 @@ def per_call_us(fn: Callable[[], object], n: int) -> float:
 
 def insert_next(cache: PrefixCache, prompts: Iterator[tuple[int, ...]]) -> None:
     cache.insert(next(prompts))
+
+
+def apply_next(cache: PrefixCache, wire: Iterator[str]) -> None:
+    cache.insert(decode_hashes(next(wire)))
 
 
 def main() -> None:
@@ -69,8 +75,12 @@ def main() -> None:
         lookup = per_call_us(lambda: [v.cached_tokens(req) for v in views], 2000)
         fresh = [text_block_hashes(text(a.blocks * BLOCK_CHARS)) for _ in range(2000)]
         insert = per_call_us(partial(insert_next, views[0].cache, iter(fresh)), 2000)
+        encode = per_call_us(lambda: encode_hashes(req.prefix), 2000)
+        wire = [encode_hashes(f) for f in fresh]
+        received = per_call_us(partial(apply_next, views[1].cache, iter(wire)), 2000)  # another gateway's dispatch, decoded and inserted
         runs.append({"hash_us": round(hashing, 2), "lookup_all_replicas_us": round(lookup, 2), "insert_evicting_us": round(insert, 2),
-                     "total_us": round(hashing + lookup + insert, 2)})
+                     "total_us": round(hashing + lookup + insert, 2), "share_encode_us": round(encode, 2),
+                     "share_receive_us": round(received, 2), "share_entry_bytes": len(wire[0])})
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     c = PrefixCache(a.capacity)

@@ -387,6 +387,7 @@ def engine(
     max_num_seqs: int = 64,
     time_scale: Annotated[float, typer.Option(help="> 1 slows every step down by this factor")] = 1.0,
     priority_scheduling: bool = False,
+    kv_cache_tokens: Annotated[int, typer.Option(help="KV cache in tokens: what the prefix cache holds, and the running sequences' bound")] = 400_000,
     fixed_ttft_ms: Annotated[float | None, typer.Option(help="fixed-latency mode: first token after this long, whatever the load")] = None,
     fixed_itl_ms: Annotated[float, typer.Option(help="fixed-latency mode: time between tokens")] = 20.0,
 ) -> None:
@@ -397,6 +398,6 @@ def engine(
 
     kw: dict[str, Any] = {"priority_scheduling": priority_scheduling}
     if fixed_ttft_ms is None:
-        kw.update(max_num_seqs=max_num_seqs, time_scale=time_scale)
+        kw.update(max_num_seqs=max_num_seqs, time_scale=time_scale, kv_capacity_tokens=kv_cache_tokens)
     uvicorn.run(create_engine_app(model, fixed_ttft_ms=fixed_ttft_ms, fixed_itl_ms=fixed_itl_ms, **kw),
                 host=host, port=port, log_level="warning")

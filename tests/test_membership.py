@@ -18,14 +18,19 @@ def _fleet(*urls: str) -> Fleet:
     return Fleet(GatewayConfig.model_validate({"backends": [{"url": u, "models": ["m"], "budget": 20} for u in urls]}), Metrics())
 
 
-def test_replicas_slow_start_alone_and_begin_at_the_cap_beside_other_gateways() -> None:
+def test_replicas_slow_start_alone_and_beside_other_gateways_no_lower_than_they_hold() -> None:
     alone = _fleet("http://a:1")
     assert [b.view.budget for b in alone.backends] == [8]  # slow start: doubles while full and fast
-    # With shared state other gateways may hold more than 8 there already: a gateway beginning at
-    # 8 would claim nothing and measure nothing to grow by.
+    # With shared state other gateways may hold more than 8 there already: a gateway held at 8
+    # would claim nothing and measure nothing to grow by, so a sync lifts it to what they hold.
     shared = Fleet(GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 20}],
                                                  "state": {"kind": "redis"}}), Metrics())
-    assert [b.view.budget for b in shared.backends] == [20]
+    b = shared.backends[0]
+    assert b.view.budget == 8 and b.learner is not None and b.learner.growing
+    b.learner.hold_at_least(12)
+    assert b.learner.budget == 12
+    b.learner.hold_at_least(30)
+    assert b.learner.budget == 20  # never above the cap
     off = Fleet(GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 20}],
                                               "capacity": {"slow_start": False}}), Metrics())
     assert [b.view.budget for b in off.backends] == [20]
@@ -104,3 +109,30 @@ def test_a_failed_lookup_keeps_the_replicas_found_last() -> None:
 def test_bad_discovered_urls_are_refused_at_load(url: str) -> None:
     with pytest.raises(ValueError):
         BackendConfig(url=url)
+
+
+def test_a_gateway_joining_others_in_slow_start_begins_at_what_they_hold(redis_url: str) -> None:
+    """Other gateways hold 12 requests on the replica: the first sync lifts this gateway's slow
+    start from 8 to 12, so it can claim a slot when one frees (held at 8 it never could)."""
+    import uuid
+
+    from slogate.gateway.state.base import Entry
+    from slogate.gateway.statesync import StateSync
+
+    cfg = GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 20}],
+                                        "state": {"kind": "redis", "url": redis_url, "prefix": f"join-{uuid.uuid4().hex[:8]}"}})
+    fleet = Fleet(cfg, Metrics())
+    b = fleet.backends[0]
+
+    async def go() -> None:
+        sync = StateSync(cfg.state, fleet, Metrics(), list)
+        try:
+            for i in range(12):
+                await sync.store.claim("http://a:1", Entry(f"o{i}", "other", "decode", 100, 50.0, 0.0), 20, 30.0)
+            assert b.view.budget == 8
+            await sync.sync()
+            assert b.view.inflight == 12 and b.view.budget == 12 and b.learner is not None and b.learner.budget == 12
+        finally:
+            await sync.store.close()
+
+    asyncio.run(go())

@@ -166,8 +166,8 @@ class CapacityConfig(_Strict):
     margin: float = Field(LearnerKnobs.margin, gt=0, le=1, description="Aim the inter-token time at this share of the tightest TBT target in flight.")
     slow_start: bool = Field(LearnerKnobs.slow_start, description="A replica the gateway starts with begins at `slow_start_budget` (8) and doubles it while it is full "
                              "and measured fast, until its first cut (false: it begins at `backends[].budget`). A replica that joins a "
-                             "running fleet begins at its peers' learned budget either way; with shared state (`state.kind: redis`) "
-                             "at `backends[].budget`, since other gateways' requests may already hold more than 8 there.")
+                             "running fleet begins at its peers' learned budget either way. With shared state (`state.kind: redis`) slow start "
+                             "begins no lower than what all gateways already hold at the replica.")
     slow_start_budget: int = Field(LearnerKnobs.slow_start_budget, ge=1, description="The budget slow start begins a replica at (within `backends[].budget`).")
     on_stalls: Literal["cut", "end"] = Field(LearnerKnobs.on_stalls, description="What slow start does on a second whose mean inter-token gap is over "
                                             "the target but whose median is below half the goal (stalls: a burst's prefills, the host busy "

@@ -113,9 +113,9 @@ class Fleet:
             # (same engines, same traffic), not at the cap: conservative until it shows its pace.
             peers = sorted(b.view.budget for b in self.active() if b.learner is not None and b.view.healthy)
             start = min(peers[len(peers) // 2], bc.budget) if peers and not checked else None
-            # Not with shared state: a gateway joining others would begin below what their
-            # requests hold there, claim nothing and measure nothing to grow by.
-            learner = cfg.capacity.knobs().learner(bc.budget, start=start, slow_start=cfg.state.kind == "memory")
+            # With shared state too: each sync lifts a replica in slow start to what every gateway
+            # holds there together (StateSync), so one joining others never begins below them.
+            learner = cfg.capacity.knobs().learner(bc.budget, start=start)
         view = ReplicaView(rid, BatchLatencyModel(PROFILES[cfg.policies.profile]), budget=learner.budget if learner else bc.budget)
         view.healthy = checked
         if cfg.prefix.enabled:

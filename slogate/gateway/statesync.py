@@ -198,9 +198,13 @@ class StateSync:
             dec = [e for e in others if e.phase == "decode"]
             b.view.set_remote(len(pre), len(dec), sum(e.input_tokens for e in dec),
                               sum(b.view.model.raw_prefill(e.input_tokens) for e in pre))
+            if b.learner is not None and b.learner.growing and b.view.inflight > b.view.budget:
+                # Other gateways already run more there than this one's slow start allows: begin at that.
+                b.learner.hold_at_least(b.view.inflight)
+                b.view.budget = max(b.view.budget, min(b.learner.budget - int(b.external + 0.5), b.view.inflight))
         self.metrics.gateways.set(self.n_gateways)
 
-    async def _share_prefixes(self, batch: int = 2000) -> None:
+    async def _share_prefixes(self, batch: int = 500) -> None:
         """Send the prompts dispatched since the last sync; put the other gateways' into the
         replicas' prefix indexes (a new gateway reads the store's whole history, a batch at a time)."""
         out = list(self._prefixes_out)
@@ -210,7 +214,7 @@ class StateSync:
                 self._prefixes_out.popleft()  # sent: not again after an outage
             self.metrics.prefix_shared.labels("sent").inc(len(out))
         by_url = {b.cfg.url: b for b in self.fleet.backends}
-        for _ in range(10):  # at most 10 batches a sync: catching up never holds the loop long
+        for _ in range(40):  # at most 40 small batches a sync: catching up never holds the loop long
             self._prefixes_at, got = await self.store.read_prefixes(self._prefixes_at, batch)
             n = 0
             for owner, replica, hashes in got:

@@ -270,6 +270,12 @@ class CapacityLearner:
         self._since_cut = 0
         self._growing = False
 
+    def hold_at_least(self, n: int) -> None:
+        """In slow start, begin no lower than `n` (what the replica already runs for every gateway
+        sharing it): below it a gateway would claim nothing, so measure nothing to grow by."""
+        if self._growing and n > self.budget:
+            self.budget = min(n, self.cap)
+
     @property
     def growing(self) -> bool:
         """In slow start: the driver should call `update` every `grow_every_s`, not only once a second."""

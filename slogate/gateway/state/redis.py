@@ -112,6 +112,15 @@ return {1, '0'}
 PREFIX_HISTORY = 20_000  # dispatches the prefix stream keeps (~1 KB each at 64 blocks)
 
 
+def encode_hashes(hashes: tuple[int, ...] | list[int]) -> str:
+    """A prompt's block hashes for the stream: unsigned 64-bit little-endian, as hex."""
+    return np.asarray(hashes, dtype="<u8").tobytes().hex()
+
+
+def decode_hashes(h: str) -> list[int]:
+    return np.frombuffer(bytes.fromhex(h), dtype="<u8").tolist()
+
+
 class RedisStore(SlotStore):
     kind = "redis"
 
@@ -196,7 +205,7 @@ class RedisStore(SlotStore):
         try:
             async with self.r.pipeline(transaction=False) as p:
                 for replica, hashes in items:
-                    p.xadd(key, {"o": owner, "r": replica, "h": np.asarray(hashes, dtype="<u8").tobytes().hex()},
+                    p.xadd(key, {"o": owner, "r": replica, "h": encode_hashes(hashes)},
                            maxlen=PREFIX_HISTORY, approximate=True)
                 await p.execute()
         except (RedisError, OSError) as e:
@@ -212,7 +221,7 @@ class RedisStore(SlotStore):
             for eid, f in entries:
                 after = eid
                 try:
-                    out.append((f["o"], f["r"], np.frombuffer(bytes.fromhex(f["h"]), dtype="<u8").tolist()))
+                    out.append((f["o"], f["r"], decode_hashes(f["h"])))
                 except (KeyError, ValueError):
                     continue  # not ours to read (another version's entry): skip it
         return after, out
