@@ -182,6 +182,7 @@ def main() -> None:
     ap.add_argument("--systems", default=SYSTEMS)
     ap.add_argument("--rates", default="6,9")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--first-repeat", type=int, default=0, help="the first repeat's number (its arrivals' seed): more repeats later, new arrivals")
     ap.add_argument("--duration", type=float, default=40)
     ap.add_argument("--sessions", type=int, default=96)
     ap.add_argument("--tokens-per-id", type=int, default=32)
@@ -214,7 +215,7 @@ def main() -> None:
                 await asyncio.gather(*(replay(u, warm) for u in vllm_urls or ()))
 
             asyncio.run(warm_up())
-        for rep in range(a.repeats):
+        for rep in range(a.first_repeat, a.first_repeat + a.repeats):
             for rate in [float(x) for x in a.rates.split(",")]:
                 reqs = arrivals(turns, rate, a.duration, rep, a.tokens_per_id, a.max_out)
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]
