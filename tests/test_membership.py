@@ -136,3 +136,38 @@ def test_a_gateway_joining_others_in_slow_start_begins_at_what_they_hold(redis_u
             await sync.store.close()
 
     asyncio.run(go())
+
+
+def test_a_dispatch_decided_while_the_store_fails_is_still_shared_later(redis_url: str) -> None:
+    """A claim that fails on a store error is re-judged locally; its prompt still goes to the other
+    gateways' prefix indexes once the store answers (queued, not lost)."""
+    import uuid
+
+    from slogate.gateway.admission import Ticket
+    from slogate.gateway.state.base import StateUnavailable
+    from slogate.gateway.statesync import StateSync
+
+    cfg = GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 20}],
+                                        "state": {"kind": "redis", "url": redis_url, "prefix": f"fail-{uuid.uuid4().hex[:8]}"}})
+    fleet = Fleet(cfg, Metrics())
+    rid = fleet.backends[0].view.rid
+
+    async def go() -> None:
+        sync = StateSync(cfg.state, fleet, Metrics(), list)
+
+        async def broken(*_a: object) -> bool:
+            raise StateUnavailable("down")
+
+        real_claim, sync.store.claim = sync.store.claim, broken  # type: ignore[method-assign]
+        try:
+            req = Request(1, 0.0, 100, SLO.latency(1.0, 0.05), prefix=(11, 22))
+            assert await sync.confirm(Ticket(req, asyncio.get_running_loop().create_future(), 10.0, replica=rid)) is True
+            assert sync.degraded and list(sync._prefixes_out) == [("http://a:1", (11, 22))]
+            sync.store.claim = real_claim  # type: ignore[method-assign]
+            await sync.sync()  # the store answers again: the queue goes out
+            _, got = await sync.store.read_prefixes("0", 10)
+            assert got == [(sync.instance, "http://a:1", [11, 22])] and not sync._prefixes_out
+        finally:
+            await sync.store.close()
+
+    asyncio.run(go())

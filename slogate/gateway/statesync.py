@@ -79,8 +79,7 @@ class StateSync:
         """Claim the slot the local decision took, atomically across gateways."""
         assert t.replica is not None
         if self.degraded:
-            if self.share_prefixes and t.req.prefix:
-                self._prefixes_out.append((self.key(t.replica), t.req.prefix))  # sent once the store is back
+            self._dispatched(t)  # shared once the store is back
             return True  # no per-request timeouts while the store is down; the sync loop probes it
         e = Entry(self.entry_id(t), self.instance, "prefill", t.req.input_tokens, t.req.len_bound, 0.0)
         view = self.fleet.by_rid[t.replica].view
@@ -92,10 +91,15 @@ class StateSync:
         except StateUnavailable as err:
             # The decision was made before the store went away; re-judge it within the local share.
             self._degrade(err)
-            return view.inflight <= limit
-        if ok and self.share_prefixes and t.req.prefix:
-            self._prefixes_out.append((self.key(t.replica), t.req.prefix))
+            ok = view.inflight <= limit
+        if ok:
+            self._dispatched(t)
         return ok
+
+    def _dispatched(self, t: Ticket) -> None:
+        """`t`'s prompt goes to its replica: the other gateways' prefix indexes learn it at the next sync."""
+        if self.share_prefixes and t.req.prefix:
+            self._prefixes_out.append((self.key(t.replica), t.req.prefix))  # type: ignore[arg-type]
 
     def released(self, t: Ticket) -> None:
         if t.replica is None or not self.shared:
