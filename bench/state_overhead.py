@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_overhead import MODEL, closed_loop, spawn, wait_up
 
 from slogate.testing.ports import free_port
-from slogate.testing.procs import stop
+from slogate.testing.procs import start_redis, stop
 
 
 def main() -> None:
@@ -37,10 +36,7 @@ def main() -> None:
     procs = []
     try:
         rport = free_port()
-        redis_exe = shutil.which("redis-server")
-        if redis_exe is None:
-            sys.exit("redis-server is not installed")
-        procs.append(spawn([redis_exe, "--port", str(rport), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp)]))
+        procs.append(start_redis(rport, tmp))
         engines = []
         for _ in range(2):
             p = free_port()

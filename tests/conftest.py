@@ -65,26 +65,14 @@ def synthetic_prompts(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A real redis-server of our own on a free port (installed by .ci/run when missing)."""
-    import shutil
-    import socket
-    import subprocess
-    import time
+    from slogate.testing.ports import free_port
+    from slogate.testing.procs import start_redis
 
-    exe = shutil.which("redis-server")
-    if exe is None:
+    port = free_port()
+    try:
+        proc = start_redis(port, tmp_path_factory.mktemp("redis"))
+    except FileNotFoundError:
         pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            time.sleep(0.05)
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(timeout=10)

@@ -15,6 +15,7 @@ import pytest
 
 from slogate.testing.ports import free_port
 from slogate.testing.procs import slogate, stop, wait_http
+from slogate.testing.procs import start_redis as spawn_redis
 from slogate.testing.prom import gauge
 
 MODEL = "sim-model"
@@ -22,23 +23,10 @@ BUDGET = 4
 
 
 def start_redis(port: int, d: Path) -> subprocess.Popen[bytes]:
-    import shutil
-
-    exe = shutil.which("redis-server")
-    if exe is None:
+    try:
+        return spawn_redis(port, d)
+    except FileNotFoundError:
         pytest.skip("redis-server is not installed")
-    p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 10:
-        try:
-            import socket
-
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return p
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError("redis-server did not start")
 
 
 @pytest.fixture

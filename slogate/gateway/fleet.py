@@ -307,6 +307,18 @@ class Fleet:
             b.external = 0.5 * b.external + 0.5 * now_ext  # smoothed: our counts and its scrape are not simultaneous
         b.kv_usage = kv
 
+    def apply_budget(self, b: Backend, learned: int) -> None:
+        """`b`'s view takes budget `learned` (learned or configured), less what other clients run
+        there; none beyond what it holds while its KV cache is full."""
+        v, ext = b.view, int(b.external + 0.5)
+        budget = max(1, learned - ext)
+        overdraft, now_ = (b.learner.overdraft, b.learner.lend_now) if b.learner is not None else (0, 0)
+        if b.kv_usage is not None and b.kv_usage >= KV_FULL:
+            budget, overdraft, now_ = max(1, min(budget, v.inflight)), 0, 0
+        v.budget, v.overdraft, v.lend_now = budget, overdraft, now_
+        self.metrics.budget.labels(b.name).set(budget)
+        self.metrics.overdraft.labels(b.name).set(overdraft)
+
     def update_budgets(self) -> None:
         """Each replica's budget: the learned SLO-safe concurrency (capped by the configured
         budget), less what other clients run there; none while its KV cache is full."""
@@ -325,13 +337,7 @@ class Fleet:
                               b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace, len(g),
                               *((round(sum(g) / len(g), 4), g[len(g) // 2], g[-1]) if g else (None, None, None)), lr.growing,
                               lr.bins_summary())
-            budget = max(1, learned - ext)
-            overdraft, now_ = (b.learner.overdraft, b.learner.lend_now) if b.learner is not None else (0, 0)
-            if b.kv_usage is not None and b.kv_usage >= KV_FULL:
-                budget, overdraft, now_ = max(1, min(budget, v.inflight)), 0, 0
-            v.budget, v.overdraft, v.lend_now = budget, overdraft, now_
-            self.metrics.budget.labels(b.name).set(budget)
-            self.metrics.overdraft.labels(b.name).set(overdraft)
+            self.apply_budget(b, learned)
             self.metrics.external.labels(b.name).set(round(b.external, 2))
 
     def cut_waiting(self, b: Backend) -> None:

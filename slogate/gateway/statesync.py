@@ -205,7 +205,7 @@ class StateSync:
             if b.learner is not None and b.learner.growing and b.view.inflight > b.view.budget:
                 # Other gateways already run more there than this one's slow start allows: begin at that.
                 b.learner.hold_at_least(b.view.inflight)
-                b.view.budget = max(b.view.budget, min(b.learner.budget - int(b.external + 0.5), b.view.inflight))
+                self.fleet.apply_budget(b, b.learner.budget)
         self.metrics.gateways.set(self.n_gateways)
 
     async def _share_prefixes(self, batch: int = 500) -> None:

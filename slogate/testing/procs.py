@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,24 @@ def wait_http(url: str, timeout: float = 60, below: int = 300) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up")
+
+
+def start_redis(port: int, directory: str | os.PathLike[str], timeout: float = 10) -> subprocess.Popen[bytes]:
+    """A redis-server of our own on 127.0.0.1:`port` (nothing persisted), once it takes connections;
+    FileNotFoundError where redis-server is not installed."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise FileNotFoundError("redis-server is not installed")
+    p = spawn([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(directory)])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return p
+        except OSError:
+            time.sleep(0.05)
+    stop([p])
+    raise RuntimeError("redis-server did not start")
 
 
 def stop(procs: Sequence[subprocess.Popen], grace: float = 20) -> None:
