@@ -6,25 +6,45 @@ otherwise. The model is built by ../shared/recipes/make_tiny_model.py into a tem
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from servers import ServerThread
-from vllm_engine import start_vllm
+from vllm_engine import build_model, start_vllm
 
 from slogate.gateway.app import create_app
 from slogate.gateway.config import GatewayConfig
 from slogate.testing.prom import metric
 
 
+@dataclass
+class Engine:
+    url: str
+    model: Path  # its tokenizer is here
+    events: str  # where it publishes its KV-cache events
+
+
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from start_vllm(tmp_path_factory, "--scheduling-policy", "priority", "--max-num-seqs", "8")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    model = build_model(tmp_path_factory)
+    # An ipc:// endpoint vLLM binds (a tcp:// one it binds only as tcp://*:PORT, on every interface).
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{model}/kv-events"}
+    for url in start_vllm(tmp_path_factory, "--scheduling-policy", "priority", "--max-num-seqs", "8", "--kv-events-config", json.dumps(events),
+                          model=model, env_extra={"VLLM_SERVER_DEV_MODE": "1"}):  # /reset_prefix_cache
+        yield Engine(url, model, events["endpoint"])
+
+
+@pytest.fixture(scope="module")
+def vllm(engine: Engine) -> str:
+    return engine.url
 
 
 def running(url: str) -> float:
@@ -172,3 +192,40 @@ def test_preempted_greedy_answers_equal_the_uninterrupted_ones_on_real_vllm(vllm
         assert len(ids) == 1, ids  # one stream to the client, continuation or not
         assert not leaked  # the ids the gateway asked for are not the client's
     assert preempted == asked
+
+
+def test_the_gateway_pictures_vllms_prefix_cache_from_its_kv_events(engine: Engine) -> None:
+    """Issue 17's precise mode: with the model's tokenizer and vLLM's KV-cache events, the
+    gateway expects exactly the prefix hit vLLM then counts, and forgets the blocks vLLM drops
+    (here all of them, by `/reset_prefix_cache`), though it sent that prompt there itself."""
+    cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "budget": 8, "kv_events": engine.events}],
+                                        "prefix": {"tokenizer": str(engine.model)}, "health_interval_s": 0.5})
+    prompt = " ".join(f"Chapter {i} tells how the river met the sea near town number {i * 7}." for i in range(60))
+    with ServerThread(create_app(cfg)) as gw:
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def send() -> tuple[float, float]:
+            """(tokens the gateway expected cached, tokens vLLM found cached) for one request."""
+            g0, e0 = metric(gw.url, "slogate_prefix_cached_tokens_total"), metric(engine.url, "vllm:prefix_cache_hits_total")
+            c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+            return metric(gw.url, "slogate_prefix_cached_tokens_total") - g0, metric(engine.url, "vllm:prefix_cache_hits_total") - e0
+
+        def events(kind: str) -> float:
+            return metric(gw.url, "slogate_kv_events_total", kind=kind)
+
+        t0 = time.monotonic()
+        while not events("stored") and time.monotonic() - t0 < 30:  # the subscriber joins in the background
+            send()
+            time.sleep(0.3)
+        assert events("stored") > 0, httpx.get(f"{gw.url}/metrics").text[-2000:]
+        expected, found = send()
+        assert found >= 256 and expected == found  # whole blocks, the same count
+        assert httpx.post(f"{engine.url}/reset_prefix_cache", timeout=10).status_code == 200
+        # vLLM publishes what a step changed after the step: the clear goes out with the next one.
+        c.completions.create(model="tiny", prompt="Another client's short question.", max_tokens=2)
+        t0 = time.monotonic()
+        while not events("cleared") and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert events("cleared") > 0
+        assert send() == (0, 0)  # the approximate picture would still expect the whole prompt
+        assert events("unknown_parent") == 0 and events("misaligned") == 0

@@ -23,16 +23,28 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_ST
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1"}
 
 
-def start_vllm(tmp_path_factory: pytest.TempPathFactory, *args: str) -> Iterator[str]:
-    """A real vLLM on the tiny model, started with `args`; its URL."""
+def vllm_python() -> str:
     py = os.environ.get("SLOGATE_VLLM_PYTHON")
     if not py or not Path(py).exists():
         pytest.skip("SLOGATE_VLLM_PYTHON is not set to a Python with vllm-cpu (see .ci/run)")
     if not RECIPE.exists():
         pytest.skip(f"{RECIPE} not found")
+    return py
+
+
+def build_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (config, tokenizer, chat template) in a temp dir."""
     model = tmp_path_factory.mktemp("tiny")
-    env = {**os.environ, **OFFLINE}
-    subprocess.run([py, str(RECIPE), str(model)], check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run([vllm_python(), str(RECIPE), str(model)], check=True, env={**os.environ, **OFFLINE}, capture_output=True, timeout=300)
+    return model
+
+
+def start_vllm(tmp_path_factory: pytest.TempPathFactory, *args: str, model: Path | None = None,
+               env_extra: dict[str, str] | None = None) -> Iterator[str]:
+    """A real vLLM on the tiny model (`model`, else one built now), started with `args`; its URL."""
+    py = vllm_python()
+    model = model or build_model(tmp_path_factory)
+    env = {**os.environ, **OFFLINE, **(env_extra or {})}
     port = free_port()
     log = open(model / "vllm.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
     proc = subprocess.Popen([py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",

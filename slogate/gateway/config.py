@@ -53,6 +53,17 @@ class BackendConfig(_Strict):
     api_key: str | None = Field(None, description="Sent upstream as a bearer token (hosted OpenAI-compatible APIs).")
     kv_cache_tokens: int | None = Field(None, ge=1, description="The replica's KV cache in tokens (bounds the gateway's picture of its prefix cache); "
                                         "default: read from vLLM's /metrics (`vllm:cache_config_info`), else `prefix.kv_tokens`.")
+    kv_events: str | None = Field(None, description="ZMQ endpoint where the engine publishes its KV-cache events (vLLM: `--kv-events-config "
+                                  "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'`), e.g. "
+                                  "`tcp://10.0.0.5:5557`; `{host}` stands for the replica's host (discovered replicas). The gateway's picture "
+                                  "of its prefix cache then follows the engine's own stores, evictions and resets. Needs `prefix.tokenizer`.")
+
+    @field_validator("kv_events")
+    @classmethod
+    def _kv_events(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"kv_events must be a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH), got {v!r}")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -199,6 +210,13 @@ class PrefixConfig(_Strict):
                           "the replica does not already hold.")
     block_chars: int = Field(128, ge=16, le=65_536, description="Prompt characters per block (about 32 tokens of English); hits count whole blocks.")
     kv_tokens: int = Field(100_000, ge=1, description="A replica's KV cache in tokens where neither `backends[].kv_cache_tokens` nor its /metrics says.")
+    tokenizer: Path | None = Field(None, description="The served model's Hugging Face tokenizer (a directory with tokenizer.json and its "
+                                   "tokenizer_config.json / chat_template.jinja, or the tokenizer.json): prompts are cut into blocks of "
+                                   "`block_tokens` token ids as the engine tokenizes them (~1 ms per 3,000 tokens, off the event loop), "
+                                   "and replicas with `kv_events` are pictured from the engine's events. Unset: blocks of characters.")
+    block_tokens: int = Field(16, ge=1, le=4096, description="Token ids per block with a tokenizer: a divisor of every engine's KV block size "
+                              "(vLLM's 16 on GPUs, 128 on CPUs).")
+    kv_events_topic: str = Field("", description="The ZMQ topic the engines publish KV-cache events on (vLLM's `topic`, default empty).")
     share: bool = Field(True, description="With shared state (`state.kind: redis`), gateways tell each other which prompts they sent where "
                         "(a Redis stream of the last 20,000 dispatches, read at every sync), so each one's picture of every replica's "
                         "cache holds the others' requests too; a gateway that starts reads the history. Off: each learns from its own.")
@@ -311,6 +329,12 @@ class GatewayConfig(_Strict):
     def _has_default(cls, v: dict[str, TierConfig]) -> dict[str, TierConfig]:
         v.setdefault("default", TierConfig())
         return v
+
+    @model_validator(mode="after")
+    def _kv_events_need_tokens(self) -> GatewayConfig:
+        if any(b.kv_events for b in self.backends) and self.prefix.enabled and self.prefix.tokenizer is None:
+            raise ValueError("backends[].kv_events needs prefix.tokenizer: the engine's events name blocks of token ids")
+        return self
 
 
 # Sections a running gateway cannot swap: a reload (SIGHUP, file change) that changes them logs

@@ -227,8 +227,12 @@ class Fleet:
         return sorted({m for b in self.backends for m in b.models})
 
     def cache_blocks(self, kv_tokens: int) -> int:
-        """A KV cache of `kv_tokens` in prompt blocks (4 characters a token)."""
-        return max(int(kv_tokens * 4 // max(self.cfg.prefix.block_chars, 1)), 1)
+        """A KV cache of `kv_tokens` in prompt blocks: of `block_tokens` token ids with a
+        tokenizer, else of characters (4 a token)."""
+        pc = self.cfg.prefix
+        if pc.tokenizer is not None:
+            return max(kv_tokens // pc.block_tokens, 1)
+        return max(int(kv_tokens * 4 // max(pc.block_chars, 1)), 1)
 
     def mark_unhealthy(self, b: Backend) -> None:
         """Out until its health check answers again (one period): retries go elsewhere."""

@@ -36,18 +36,20 @@ from slogate.gateway.discovery import Discovery
 from slogate.gateway.errors import APIError, as_openai_error, error_body
 from slogate.gateway.exchange import AnswerText, Disconnect, Exchange
 from slogate.gateway.fleet import Backend, Fleet
+from slogate.gateway.kv_events import KVEventFeeds
 from slogate.gateway.metrics import Metrics
 from slogate.gateway.pacing import Pacer
 from slogate.gateway.relay import Relay, usage_of
 from slogate.gateway.schema import POOLING, validate_body
 from slogate.gateway.slo import Resolved, resolve
 from slogate.gateway.statesync import StateSync
+from slogate.gateway.tokenizer import PromptTokenizer
 from slogate.gateway.upstream import Upstream, resumable
 from slogate.gateway.workflows import WorkflowBook
 from slogate.predictors.features import PromptInput, prompt_from_body
 from slogate.predictors.online import OnlineLengthPredictor
 from slogate.router.goodput import RequestLedger
-from slogate.router.prefix import text_block_hashes
+from slogate.router.prefix import text_block_hashes, token_block_hashes
 from slogate.router.registry import make_ordering, make_placement
 from slogate.router.request import SLO, SLOClass
 from slogate.router.request import Request as CoreRequest
@@ -104,6 +106,9 @@ class Gateway:
         self.backends = self.fleet.backends  # the same list: replicas join and leave in place
         self.discovery = Discovery(cfg.discovery)
         self.prefix_chars = cfg.prefix.block_chars if cfg.prefix.enabled else 0
+        pc = cfg.prefix
+        self.tokenizer = PromptTokenizer(pc.tokenizer) if pc.enabled and pc.tokenizer is not None else None
+        self.kv_feeds = KVEventFeeds(pc.block_tokens, pc.kv_events_topic, self.metrics)
         self.predictor = predictor
         self.groups: dict[str, Admission] = {}
         self._retired: list[Admission] = []  # queues of the policies before a reload: they finish their requests
@@ -126,6 +131,8 @@ class Gateway:
         self._tasks.append(loop.create_task(self._health_loop()))
         self._tasks.append(loop.create_task(self._discovery_loop()))
         self._tasks.append(loop.create_task(self._slow_start_loop()))
+        if self.tokenizer is not None:
+            self.kv_feeds.sync(self.fleet.backends)
         if self.state.shared:
             await self.state.sync()
             self._tasks.append(loop.create_task(self.state.sync_loop()))
@@ -141,6 +148,7 @@ class Gateway:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self.kv_feeds.close()
         for adm in [*self.groups.values(), *self._retired]:
             await adm.stop()
         await self.state.close()  # gives back what it still holds: uses the fleet's replicas
@@ -174,6 +182,8 @@ class Gateway:
                 await self.fleet.check_all()
                 self.fleet.reap({t.replica for t in self._running()})
                 self._sync_groups()
+                if self.tokenizer is not None:
+                    self.kv_feeds.sync(self.fleet.backends)
                 await self._retire_idle()
                 self.refresh_gauges()
                 await self.workflows.expire(time.monotonic())
@@ -320,15 +330,18 @@ class Gateway:
                           tbt_chosen=res.tbt_chosen, ttft_chosen=res.ttft_chosen)
         if prompt is None:
             req.len_bound = req.len_mean = 1.0
+        elif self.tokenizer is not None:
+            n_tok = await asyncio.to_thread(self._token_blocks, body, req)
+            if n_tok is not None:
+                req.input_tokens = max(n_tok, 1)  # exact, as the engine counts them
+            self._session(request, body, req)
         elif self.prefix_chars and len(prompt.text) >= self.prefix_chars:
             if len(prompt.text) > HASH_IN_THREAD:  # ~20 µs per 64 blocks: a long context is hashed off the loop
                 req.prefix = await asyncio.to_thread(text_block_hashes, prompt.text, self.prefix_chars)
             else:
                 req.prefix = text_block_hashes(prompt.text, self.prefix_chars)
             req.tokens_per_block = self.prefix_chars * n_in / len(prompt.text)
-            sess = request.headers.get("x-session-id") or body.get("user")
-            if isinstance(sess, str) and sess:
-                req.session = zlib.crc32(sess.encode()) or 1
+            self._session(request, body, req)
         stream = bool(body.get("stream"))
         ex = Exchange(kind, adm, req, res, (model, res.tier.name, res.slo.kind.value), stream, body_size > JSON_IN_THREAD,
                       text=AnswerText() if resumable(kind, res.body, stream) else None, call=call)
@@ -408,6 +421,24 @@ class Gateway:
         ex.adm.answered(ticket, n_out, t_end)
         self.relay.settle(ex, ticket, "completed", n_in)
         return Response(content, status_code=resp.status, media_type="application/json")
+
+    def _token_blocks(self, body: dict[str, Any], req: CoreRequest) -> int | None:
+        """`req`'s prompt in blocks of token ids, as the engine tokenizes it; its length in
+        tokens (None: the gateway cannot tokenize this body). Runs in a worker thread."""
+        assert self.tokenizer is not None
+        ids = self.tokenizer.ids(body)
+        if ids is None:
+            return None
+        bt = self.cfg.prefix.block_tokens
+        req.prefix = token_block_hashes(ids, bt)[0]
+        req.tokens_per_block = float(bt)
+        return len(ids)
+
+    @staticmethod
+    def _session(request: Request, body: dict[str, Any], req: CoreRequest) -> None:
+        sess = request.headers.get("x-session-id") or body.get("user")
+        if isinstance(sess, str) and sess:
+            req.session = zlib.crc32(sess.encode()) or 1
 
     async def _read_json(self, request: Request) -> tuple[dict[str, Any], int]:
         """The body as a JSON object, and its size in bytes."""

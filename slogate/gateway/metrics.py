@@ -48,6 +48,9 @@ class Metrics:
                                      "put into its replicas' prefix indexes from theirs (received), with shared state", ["direction"], registry=r)
         for d in ("sent", "received"):
             self.prefix_shared.labels(d)
+        self.kv_events = Counter("slogate_kv_events_total", "From the engines' KV-cache events (`backends[].kv_events`): blocks stored, "
+                                 "removed, or not applied (unknown_parent, misaligned), clears, restarts, missed and undecodable batches",
+                                 ["backend", "kind"], registry=r)
         self.resumes = Counter("slogate_resumes_total", "Streams moved mid-answer from a failed replica and continued on another "
                                "(the failed one named)", ["backend"], registry=r)
         self.resume_gap = Histogram("slogate_resume_gap_seconds", "The gap a resumed stream's client saw: last token before the failure or preemption "
@@ -77,6 +80,8 @@ class Metrics:
             m = getattr(self, name)
             if (backend,) in m._metrics:
                 m.remove(backend)
+        for key in [k for k in self.kv_events._metrics if k[0] == backend]:
+            self.kv_events.remove(*key)
         for state in ("active", "draining", "drained"):
             if (backend, state) in self.replica_state._metrics:
                 self.replica_state.remove(backend, state)

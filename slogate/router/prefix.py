@@ -11,13 +11,17 @@ Prompts are cut into blocks of text, not tokens: the gateway has no tokenizer fo
 fronts, and a prefix of text is a prefix of tokens but for the token that straddles the cut. A
 block of `BLOCK_CHARS` characters is about 32 tokens of English (4 characters a token); the
 tokens a hit saves are the request's tokens per block of its own text times the blocks hit.
-Traces that come with block hashes (Mooncake) feed their ids in directly.
+Traces that come with block hashes (Mooncake) feed their ids in directly. Where the gateway has
+the model's tokenizer (`prefix.tokenizer`) it cuts the token ids instead (`token_block_hashes`):
+blocks then line up with the engine's, and the engine's own KV-cache events can say which are
+cached (gateway/kv_events.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import zlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -38,6 +42,26 @@ def text_block_hashes(text: str, block_chars: int = BLOCK_CHARS) -> tuple[int, .
         crc, adler = zlib.crc32(chunk, crc), zlib.adler32(chunk, adler)
         out.append(crc << 32 | adler)
     return tuple(out)
+
+
+ROOT = (0, 1)  # the chain's state before the first block (CRC-32, Adler-32 of nothing)
+
+
+def token_block_hashes(ids: Sequence[int], block_tokens: int, state: tuple[int, int] = ROOT) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """Chained 64-bit hashes of the full blocks of `block_tokens` token ids (the same chain as
+    `text_block_hashes`, over the ids as 32-bit words), continued from `state`, and the chain's
+    state after them: a block's hash covers every token before it, so the engine's blocks,
+    reported one event at a time, continue the chain where their parent ended."""
+    data = memoryview(array("I", ids).tobytes())
+    step = block_tokens * 4
+    end = len(data) // step * step
+    out = []
+    crc, adler = state
+    for i in range(0, end, step):
+        chunk = data[i:i + step]
+        crc, adler = zlib.crc32(chunk, crc), zlib.adler32(chunk, adler)
+        out.append(crc << 32 | adler)
+    return tuple(out), (crc, adler)
 
 
 class PrefixCache:
@@ -76,6 +100,14 @@ class PrefixCache:
                 blocks[h] = None
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
+
+    def remove(self, hashes: Iterable[int]) -> None:
+        """The engine freed these blocks (its KV-cache events say so)."""
+        for h in hashes:
+            self.blocks.pop(h, None)
+
+    def clear(self) -> None:
+        self.blocks.clear()
 
 
 def hit_tokens(hit_blocks: int, tokens_per_block: float, input_tokens: int) -> int:
