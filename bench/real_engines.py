@@ -88,14 +88,17 @@ def build_model(py: str, out: Path) -> Path:
     return out
 
 
-def start_vllm(py: str, model: Path, n: int, log_dir: Path, extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[str]]:
+def start_vllm(py: str, model: Path, n: int, log_dir: Path, extra: tuple[str, ...] = (),
+               kv_events: list[str] | None = None) -> tuple[list[subprocess.Popen], list[str]]:
+    """`n` replicas; `kv_events`: the endpoint each one publishes its KV-cache events on."""
     procs, urls = [], []
     cores = os.cpu_count() or 1
     for i in range(n):
         port = free_port()
         log = open(log_dir / f"vllm{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
+        ev = ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events[i]})) if kv_events else ()
         cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", *extra]
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", *extra, *ev]
         if shutil.which("taskset"):
             cmd = ["taskset", "-c", str(i % cores), *cmd]
         procs.append(subprocess.Popen(cmd, env={**os.environ, **OFFLINE}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -114,6 +117,10 @@ def reset_caches(urls: list[str]) -> None:
 
 
 GATEWAY_DEFAULT_FLAGS: list[str] = []  # `--slo-scale`: slogate's built-in default SLO scaled like the rules
+# Engines publishing KV-cache events (bench/prefix_engines.py --kv-events): URL -> endpoint, and
+# what vllm-router's kv_aware policy needs to read them (the engines' block size, the model).
+KV_EVENTS: dict[str, str] = {}
+KV_EVENTS_ARGS: list[str] = []
 
 
 def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -121,6 +128,8 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
     url = f"http://127.0.0.1:{port}"
     if system.startswith("vllm-router"):
         policy = ["--policy", "round_robin"] if system == "vllm-router-rr" else []  # cache_aware is its default
+        if system == "vllm-router-kv":  # kv_aware: the engines' own KV-cache events
+            policy = ["--policy", "kv_aware", *[a for u in urls for a in ("--kv-event-source", f"{u}={KV_EVENTS[u]}")], *KV_EVENTS_ARGS]
         p = subprocess.Popen(["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, *policy,
                               "--prometheus-port", str(free_port())],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -190,12 +199,15 @@ async def one(c: openai.AsyncOpenAI, a: dict) -> dict:
     times: list[float] = []
     status = 200
     try:
-        stream = await c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": a["prompt"]}], max_tokens=a["n_out"],
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True, "slo": slo})
+        common = {"model": "tiny", "max_tokens": a["n_out"], "stream": True, "stream_options": {"include_usage": True},
+                  "extra_body": {"ignore_eos": True, "slo": slo}}
+        if "prompt_ids" in a:  # the prompt as token ids, on /v1/completions (what vllm-router's kv_aware can place)
+            stream = await c.completions.create(prompt=a["prompt_ids"], **common)
+        else:
+            stream = await c.chat.completions.create(messages=[{"role": "user", "content": a["prompt"]}], **common)
         usage = 0
         async for ch in stream:
-            if ch.choices and ch.choices[0].delta.content:
+            if ch.choices and (ch.choices[0].text if "prompt_ids" in a else ch.choices[0].delta.content):
                 times.append(time.monotonic())
             if ch.usage is not None:
                 usage = ch.usage.completion_tokens

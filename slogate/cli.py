@@ -302,6 +302,12 @@ def serve(
     prefix_index: Annotated[bool | None, typer.Option("--prefix-index/--no-prefix-index",
                                                       help="prefix.enabled: place by where each replica's prefix cache is",
                                                       rich_help_panel=KNOBS)] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="prefix.tokenizer: the served model's Hugging Face tokenizer (directory or "
+                                                  "tokenizer.json): prefix blocks of token ids, as the engine cuts them",
+                                                  rich_help_panel=KNOBS)] = None,
+    kv_events: Annotated[list[str] | None, typer.Option(help="backends[].kv_events: ZMQ endpoint of an engine's KV-cache events, one per "
+                                                        "--backend in order (or one for all, `{host}` standing for each one's host)",
+                                                        rich_help_panel=KNOBS)] = None,
 ) -> None:
     """Run the gateway. With no config and no backend: gateway + simulated engines, in-memory state.
     Precedence: flags, then SLOGATE_* environment variables, then the config file, then defaults."""
@@ -318,7 +324,7 @@ def serve(
     def flags(c: GatewayConfig) -> GatewayConfig:
         return apply_flags(c, backends=backend, ordering=ordering, placement=placement, budget=budget, learn_budget=learn_budget,
                            pacing=pacing, ttft_ms=ttft_ms, tbt_ms=tbt_ms, deadline_ms=deadline_ms, waiting_ms=waiting_ms,
-                           redis_url=redis_url, prefix_index=prefix_index)
+                           redis_url=redis_url, prefix_index=prefix_index, tokenizer=tokenizer, kv_events=kv_events)
 
     def read() -> GatewayConfig:
         """The config as a reload reads it again: the file, then the environment, then these flags."""

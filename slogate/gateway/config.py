@@ -370,18 +370,30 @@ CLI_FLAGS: dict[str, tuple[str, str]] = {
     "--waiting-ms MS": ("slo.default.waiting_ms", "default longest wait for admission"),
     "--redis-url URL": ("state.url", "share per-replica state through this Redis (sets `state.kind: redis`)"),
     "--prefix-index / --no-prefix-index": ("prefix.enabled", "place by where each replica's prefix cache is"),
+    "--tokenizer PATH": ("prefix.tokenizer", "the served model's tokenizer: prefix blocks of token ids, as the engine cuts them"),
+    "--kv-events ENDPOINT": ("backends[].kv_events", "repeatable, one per `--backend` in order (or one for all, with `{host}`): "
+                             "where each engine publishes its KV-cache events"),
 }
 
 
 def apply_flags(cfg: GatewayConfig, *, backends: list[str] | None = None, ordering: str | None = None, placement: str | None = None,
                 budget: int | None = None, learn_budget: bool | None = None, pacing: bool | None = None, ttft_ms: float | None = None,
                 tbt_ms: float | None = None, deadline_ms: float | None = None, waiting_ms: float | None = None,
-                redis_url: str | None = None, prefix_index: bool | None = None) -> GatewayConfig:
+                redis_url: str | None = None, prefix_index: bool | None = None, tokenizer: str | None = None,
+                kv_events: list[str] | None = None) -> GatewayConfig:
     """`cfg` with the command line's values over it (None: not given); validated like the file,
     so a bad value fails with the config key it maps to."""
     raw = cfg.model_dump()
-    if backends:
-        raw["backends"] = [{"url": u} for u in backends]
+    if backends:  # the file's settings for a URL named again stay (its budget, key, events)
+        known = {b["url"]: b for b in raw["backends"]}
+        raw["backends"] = [known.get(u.rstrip("/"), {"url": u}) for u in backends]
+    if kv_events:
+        if len(kv_events) not in (1, len(raw["backends"])):
+            raise ValueError(f"--kv-events: give one per backend ({len(raw['backends'])}) or one for all, got {len(kv_events)}")
+        for i, b in enumerate(raw["backends"]):
+            b["kv_events"] = kv_events[i if len(kv_events) > 1 else 0]
+    if tokenizer is not None:
+        raw["prefix"]["tokenizer"] = tokenizer
     pol = raw["policies"]
     pol.update({k: v for k, v in (("ordering", ordering), ("placement", placement)) if v is not None})
     if budget is not None:

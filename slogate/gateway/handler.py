@@ -318,7 +318,7 @@ class Gateway:
         # Embeddings and the like: no answer to predict, one unit of output; the body's size
         # estimates what the engine reads.
         prompt = None if pooling else prompt_from_body(body)
-        n_in = max(body_size // 4, 1) if prompt is None else max(len(prompt.text) // 4, 1)
+        n_in = max(body_size // 4, 1) if prompt is None else prompt.token_ids or max(len(prompt.text) // 4, 1)
         max_tokens = 1 if prompt is None else prompt.max_tokens
         await self.auth.check_rate(key, n_in + (max_tokens or 256))
         call = None

@@ -64,6 +64,7 @@ class PromptInput:
     model: str = ""
     n_messages: int = 1
     max_tokens: int | None = None
+    token_ids: int | None = None  # a prompt sent as token ids: how many
 
 
 def prompt_from_body(body: dict[str, Any]) -> PromptInput:
@@ -82,8 +83,10 @@ def prompt_from_body(body: dict[str, Any]) -> PromptInput:
         raw = body.get("prompt", body.get("input", ""))
         text = raw if isinstance(raw, str) else "\n\n".join(str(x) for x in raw) if isinstance(raw, list) else ""
         n = 1
+    ids = body.get("prompt")
+    n_ids = len(ids) if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids) else None
     mt = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
-    return PromptInput(text, str(body.get("model", "")), n, int(mt) if isinstance(mt, int) and mt > 0 else None)
+    return PromptInput(text, str(body.get("model", "")), n, int(mt) if isinstance(mt, int) and mt > 0 else None, n_ids)
 
 
 def asked_tokens(low: str) -> float:
