@@ -7,6 +7,11 @@ and every other gateway decodes and inserts it (gateway/state/redis.py). This ti
 indexes are full (LRU evicting on every insert), and measures an index's memory per block.
 
     python bench/prefix_index.py --out bench/results/prefix_index.json
+
+With `--tokenizer DIR` (a Hugging Face tokenizer: precise mode, `prefix.tokenizer`) it also times
+what that mode adds: the prompt tokenized as the engine does (completions, and a chat through the
+template), its ids cut into 16-token blocks, and one engine's KV-cache events for it applied to an
+index (`BlockStored` of its 128-token blocks re-hashed into the gateway's chain, then removed).
 """
 
 from __future__ import annotations
@@ -47,6 +52,35 @@ def apply_next(cache: PrefixCache, wire: Iterator[str]) -> None:
     cache.insert(decode_hashes(next(wire)))
 
 
+def precise_mode(tokenizer: Path, prompt: str, repeats: int) -> dict:
+    """Per request: tokenizing (completions, chat) and cutting the ids; per engine event batch:
+    a prefill's blocks stored and then removed."""
+    from slogate.gateway.kv_events import EngineBlocks
+    from slogate.gateway.tokenizer import PromptTokenizer
+    from slogate.router.prefix import token_block_hashes
+
+    t = PromptTokenizer(tokenizer)
+    ids = t.ids({"prompt": prompt}) or []
+    chat = {"messages": [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": prompt}]}
+    bs = 128
+    n = len(ids) // bs
+    events = [{"type": "BlockStored", "block_hashes": list(range(k * 1000, k * 1000 + n)), "parent_block_hash": None,
+               "token_ids": ids[:n * bs], "block_size": bs} for k in range(2000)]
+    removed = [{"type": "BlockRemoved", "block_hashes": e["block_hashes"]} for e in events]
+    runs = []
+    for _ in range(repeats):
+        eb = EngineBlocks(PrefixCache(100_000 // 16), 16)
+        it = iter(range(len(events)))
+        store = per_call_us(lambda eb=eb, it=it: eb.apply([events[next(it)]]), len(events))
+        it2 = iter(range(len(removed)))
+        remove = per_call_us(lambda eb=eb, it2=it2: eb.apply([removed[next(it2)]]), len(removed))
+        runs.append({"tokenize_completions_us": round(per_call_us(lambda: t.ids({"prompt": prompt}), 200), 1),
+                     "tokenize_chat_us": round(per_call_us(lambda: t.ids(chat), 200), 1),
+                     "token_blocks_us": round(per_call_us(lambda: token_block_hashes(ids, 16), 2000), 2),
+                     "event_store_us": round(store, 2), "event_remove_us": round(remove, 2)})
+    return {"tokens": len(ids), "engine_blocks": n, "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=64)
@@ -54,6 +88,7 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=12_500, help="blocks per replica index (100k KV tokens at 32 tokens a block)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--tokenizer", type=Path, help="a tokenizer directory: also time precise mode's steps")
     a = ap.parse_args()
     rng = random.Random(0)
 
@@ -81,6 +116,7 @@ def main() -> None:
         runs.append({"hash_us": round(hashing, 2), "lookup_all_replicas_us": round(lookup, 2), "insert_evicting_us": round(insert, 2),
                      "total_us": round(hashing + lookup + insert, 2), "share_encode_us": round(encode, 2),
                      "share_receive_us": round(received, 2), "share_entry_bytes": len(wire[0])})
+    precise = precise_mode(a.tokenizer, prompt, a.repeats) if a.tokenizer else None
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     c = PrefixCache(a.capacity)
@@ -90,7 +126,7 @@ def main() -> None:
     tracemalloc.stop()
     doc = {"config": vars(a) | {"out": str(a.out)}, "runs": runs,
            "median_total_us": statistics.median(r["total_us"] for r in runs),
-           "index_bytes": mem, "bytes_per_block": round(mem / len(c), 1), "blocks": len(c)}
+           "index_bytes": mem, "bytes_per_block": round(mem / len(c), 1), "blocks": len(c), "precise_mode": precise}
     print(json.dumps(doc, indent=2))
     if a.out:
         a.out.write_text(json.dumps(doc, indent=2))

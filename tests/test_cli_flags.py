@@ -67,6 +67,21 @@ def test_slo_default_flags_override_only_what_they_name(tmp_path: Path) -> None:
         apply_flags(cfg, tbt_ms=-5)
 
 
+def test_backend_flags_keep_the_files_settings_for_a_url_and_take_kv_events(tmp_path: Path) -> None:
+    cfg = file_and_env(tmp_path, {"backends": [{"url": "http://a:1", "budget": 7, "kv_events": "tcp://a:5557"}],
+                                  "prefix": {"tokenizer": str(tmp_path)}})
+    out = apply_flags(cfg, backends=["http://a:1/", "http://b:1"])
+    assert [(b.url, b.budget, b.kv_events) for b in out.backends] == [("http://a:1", 7, "tcp://a:5557"), ("http://b:1", 48, None)]
+    out = apply_flags(cfg, backends=["http://a:1", "http://b:1"], kv_events=["tcp://{host}:5557"], tokenizer="/models/x")
+    assert [b.kv_events for b in out.backends] == ["tcp://{host}:5557"] * 2 and str(out.prefix.tokenizer) == "/models/x"
+    with pytest.raises(ValueError, match="one per backend"):
+        apply_flags(cfg, backends=["http://a:1", "http://b:1", "http://c:1"], kv_events=["tcp://x:1", "tcp://y:1"])
+    with pytest.raises(ValueError, match="ZMQ endpoint"):
+        apply_flags(cfg, kv_events=["http://a:5557"])
+    with pytest.raises(ValueError, match=r"needs prefix\.tokenizer"):
+        apply_flags(file_and_env(tmp_path, {"backends": [{"url": "http://a:1"}]}), kv_events=["tcp://a:1"])
+
+
 def test_redis_flag_overrides_the_environment(tmp_path: Path) -> None:
     cfg = file_and_env(tmp_path, {"state": {"prefix": "p"}}, {"SLOGATE_REDIS_URL": "redis://10.0.0.1:6379/0"})
     assert (cfg.state.kind, cfg.state.url) == ("redis", "redis://10.0.0.1:6379/0")

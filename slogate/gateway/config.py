@@ -61,8 +61,9 @@ class BackendConfig(_Strict):
     @field_validator("kv_events")
     @classmethod
     def _kv_events(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"kv_events must be a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH), got {v!r}")
+        port = v.rsplit(":", 1)[-1] if v is not None and v.startswith("tcp://") else ""
+        if v is not None and not ((v.startswith("ipc://") and len(v) > 6) or (port.isdigit() and 0 < int(port) < 65536 and "*" not in v)):
+            raise ValueError(f"kv_events must be a ZMQ endpoint to connect to (tcp://HOST:PORT or ipc://PATH), got {v!r}")
         return v
 
     @field_validator("url")

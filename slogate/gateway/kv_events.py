@@ -111,38 +111,44 @@ class KVEventFeeds:
 
     def __init__(self, block_tokens: int, topic: str, metrics: Metrics) -> None:
         self.block_tokens, self.topic, self.metrics = block_tokens, topic, metrics
-        self.tasks: dict[int, asyncio.Task[None]] = {}  # by replica id
+        self.tasks: dict[int, tuple[str, asyncio.Task[None]]] = {}  # by replica id: (endpoint, its subscriber)
 
     def sync(self, backends: list[Backend]) -> None:
-        """Listen to every replica that has an endpoint and a picture; stop for those gone."""
-        live = {b.view.rid: b for b in backends if b.cfg.kv_events and b.view.cache is not None}
-        for rid in [r for r in self.tasks if r not in live]:
-            self.tasks.pop(rid).cancel()
+        """Listen to every replica that has an endpoint and a picture; stop for those gone, and
+        move to a replica's new endpoint after a reload."""
+        live = {b.view.rid: (endpoint_for(b.cfg.kv_events, b.cfg.url), b) for b in backends if b.cfg.kv_events and b.view.cache is not None}
+        for rid in [r for r, (ep, _) in self.tasks.items() if r not in live or live[r][0] != ep]:
+            self.tasks.pop(rid)[1].cancel()
         loop = asyncio.get_running_loop()
-        for rid, b in live.items():
-            if rid not in self.tasks:
-                self.tasks[rid] = loop.create_task(self._listen(b))
+        for rid, (ep, b) in live.items():
+            if rid not in self.tasks or self.tasks[rid][1].done():  # new, or failed (logged): again
+                self.tasks[rid] = (ep, loop.create_task(self._listen(b, ep)))
 
     async def close(self) -> None:
-        for t in self.tasks.values():
+        for _, t in self.tasks.values():
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self.tasks.clear()
 
-    async def _listen(self, b: Backend) -> None:
+    async def _listen(self, b: Backend, endpoint: str) -> None:
         import msgspec
         import zmq
         import zmq.asyncio
 
-        assert b.cfg.kv_events is not None and b.view.cache is not None
-        endpoint = endpoint_for(b.cfg.kv_events, b.cfg.url)
+        assert b.view.cache is not None
         blocks = EngineBlocks(b.view.cache, self.block_tokens)
         count = self.metrics.kv_events
         sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)  # ZMQ connects (and reconnects) in the background
+        try:
+            sock.connect(endpoint)  # ZMQ connects (and reconnects) in the background
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            log.error("replica %s: cannot read KV-cache events from %s: %s", b.name, endpoint, e)
+            count.labels(b.name, "connect_failed").inc()
+            return
         log.info("replica %s: reading its KV-cache events from %s", b.name, endpoint)
         last: int | None = None
         try:

@@ -49,7 +49,8 @@ class Metrics:
         for d in ("sent", "received"):
             self.prefix_shared.labels(d)
         self.kv_events = Counter("slogate_kv_events_total", "From the engines' KV-cache events (`backends[].kv_events`): blocks stored, "
-                                 "removed, or not applied (unknown_parent, misaligned), clears, restarts, missed and undecodable batches",
+                                 "removed, or not applied (unknown_parent, misaligned), clears, restarts, missed and undecodable batches, "
+                                 "endpoints it could not connect to (connect_failed)",
                                  ["backend", "kind"], registry=r)
         self.resumes = Counter("slogate_resumes_total", "Streams moved mid-answer from a failed replica and continued on another "
                                "(the failed one named)", ["backend"], registry=r)

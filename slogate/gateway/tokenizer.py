@@ -50,7 +50,8 @@ class PromptTokenizer:
                 return None
             kw = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
             try:
-                text = self.template.render(messages=msgs, tools=body.get("tools"), add_generation_prompt=True,
+                agp = body.get("add_generation_prompt", True) and not body.get("continue_final_message", False)
+                text = self.template.render(messages=msgs, tools=body.get("tools"), add_generation_prompt=agp,
                                             **self.specials, **kw)
             except Exception:  # a template that raises on this input: the engine will say why
                 return None
