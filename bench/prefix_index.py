@@ -124,7 +124,7 @@ def main() -> None:
         c.insert(text_block_hashes(text(a.blocks * BLOCK_CHARS)))
     mem = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    doc = {"config": vars(a) | {"out": str(a.out)}, "runs": runs,
+    doc = {"config": vars(a) | {"out": str(a.out), "tokenizer": str(a.tokenizer)}, "runs": runs,
            "median_total_us": statistics.median(r["total_us"] for r in runs),
            "index_bytes": mem, "bytes_per_block": round(mem / len(c), 1), "blocks": len(c), "precise_mode": precise}
     print(json.dumps(doc, indent=2))
