@@ -194,13 +194,18 @@ def test_preempted_greedy_answers_equal_the_uninterrupted_ones_on_real_vllm(vllm
     assert preempted == asked
 
 
-def test_the_gateway_pictures_vllms_prefix_cache_from_its_kv_events(engine: Engine) -> None:
+@pytest.mark.parametrize("where", ["configured", "asked"])
+def test_the_gateway_pictures_vllms_prefix_cache_from_its_kv_events(engine: Engine, where: str) -> None:
     """Issue 17's precise mode: with the model's tokenizer and vLLM's KV-cache events, the
     gateway expects exactly the prefix hit vLLM then counts, and forgets the blocks vLLM drops
-    (here all of them, by `/reset_prefix_cache`), though it sent that prompt there itself."""
-    cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "budget": 8, "kv_events": engine.events}],
-                                        "prefix": {"tokenizer": str(engine.model)}, "health_interval_s": 0.5})
+    (here all of them, by `/reset_prefix_cache`), though it sent that prompt there itself. The
+    endpoint is configured, or asked of vLLM (`/kv_event_sources`)."""
+    backend = {"url": engine.url, "budget": 8, **({"kv_events": engine.events} if where == "configured" else {})}
+    cfg = GatewayConfig.model_validate({"backends": [backend], "prefix": {"tokenizer": str(engine.model)}, "health_interval_s": 0.5})
     prompt = " ".join(f"Chapter {i} tells how the river met the sea near town number {i * 7}." for i in range(60))
+    # Blocks an engine held before the gateway subscribed are not in its picture (vLLM reports a
+    # reused block only when it stores it): each case starts on an empty cache.
+    assert httpx.post(f"{engine.url}/reset_prefix_cache", timeout=10).status_code == 200
     with ServerThread(create_app(cfg)) as gw:
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
 

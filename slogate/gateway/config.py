@@ -56,7 +56,9 @@ class BackendConfig(_Strict):
     kv_events: str | None = Field(None, description="ZMQ endpoint where the engine publishes its KV-cache events (vLLM: `--kv-events-config "
                                   "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'`), e.g. "
                                   "`tcp://10.0.0.5:5557`; `{host}` stands for the replica's host (discovered replicas). The gateway's picture "
-                                  "of its prefix cache then follows the engine's own stores, evictions and resets. Needs `prefix.tokenizer`.")
+                                  "of its prefix cache then follows the engine's own stores, evictions and resets. Needs `prefix.tokenizer`. Unset, "
+                                  "with `prefix.tokenizer`: asked of vLLM (`/kv_event_sources`), used where it publishes on every "
+                                  "interface (`tcp://*:PORT`, read at the replica's host) or on a socket file.")
 
     @field_validator("kv_events")
     @classmethod

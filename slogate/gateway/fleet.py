@@ -50,6 +50,12 @@ class Backend:
     state: str = "active"  # active | draining (leaving once idle) | drained (held out by an operator)
     max_len: int | None = None  # its context length (vLLM's /v1/models `max_model_len`); 0: not told
     gives_ids: bool = False  # its streams carried token ids when asked: they count each chunk's tokens
+    kv_found: str | None = None  # where vLLM says it publishes KV-cache events ("": nowhere; None: not asked yet)
+
+    @property
+    def kv_events(self) -> str | None:
+        """Its KV-cache event endpoint: configured, else the one vLLM's /kv_event_sources named."""
+        return self.cfg.kv_events or self.kv_found or None
 
     def __post_init__(self) -> None:
         self.use(self.cfg)
@@ -276,8 +282,30 @@ class Fleet:
             self.cut_waiting(b)
         b.view.healthy = ok
         self.metrics.healthy.labels(b.name).set(1 if ok else 0)
+        if ok and b.kv_found is None and b.cfg.kind == "vllm" and self.cfg.prefix.tokenizer is not None and not b.cfg.kv_events:
+            await self._find_kv_events(b)
         if ok and self.cfg.capacity.engine_metrics and b.cfg.kind == "vllm" and self._metrics_due(b):
             await self._engine_load(b)
+
+    async def _find_kv_events(self, b: Backend) -> None:
+        """Where vLLM publishes its KV-cache events (`GET /kv_event_sources`, by data-parallel
+        rank): a publisher bound on every interface (`tcp://*:PORT`) or to a socket file is read
+        at the replica's host. One that connects to a consumer, or several ranks (the API server
+        picks the rank, the gateway cannot), is not used."""
+        assert self.client is not None
+        b.kv_found = ""
+        try:
+            async with self.client.get(f"{b.cfg.url}/kv_event_sources", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S), headers=b.headers) as r:
+                found = await r.json(content_type=None) if r.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            b.kv_found = None  # ask again at the next check
+            return
+        ranks = [v for v in found.values() if isinstance(v, dict) and v.get("enable_kv_cache_events") and v.get("publisher") == "zmq"] \
+            if isinstance(found, dict) else []
+        ep = ranks[0].get("endpoint") if len(ranks) == 1 else None
+        if isinstance(ep, str) and (ep.startswith("ipc://") or ep.startswith("tcp://*:")):
+            b.kv_found = ep.replace("*", "{host}", 1)
+            log.info("replica %s publishes its KV-cache events at %s", b.name, ep)
 
     def _metrics_due(self, b: Backend) -> bool:
         """vLLM renders its /metrics (~50 kB) on the API server that streams its tokens: 12.8 ms of

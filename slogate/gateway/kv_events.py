@@ -116,7 +116,7 @@ class KVEventFeeds:
     def sync(self, backends: list[Backend]) -> None:
         """Listen to every replica that has an endpoint and a picture; stop for those gone, and
         move to a replica's new endpoint after a reload."""
-        live = {b.view.rid: (endpoint_for(b.cfg.kv_events, b.cfg.url), b) for b in backends if b.cfg.kv_events and b.view.cache is not None}
+        live = {b.view.rid: (endpoint_for(ep, b.cfg.url), b) for b in backends if (ep := b.kv_events) and b.view.cache is not None}
         for rid in [r for r, (ep, _) in self.tasks.items() if r not in live or live[r][0] != ep]:
             self.tasks.pop(rid)[1].cancel()
         loop = asyncio.get_running_loop()
