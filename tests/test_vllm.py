@@ -36,7 +36,8 @@ class Engine:
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     model = build_model(tmp_path_factory)
     # An ipc:// endpoint vLLM binds (a tcp:// one it binds only as tcp://*:PORT, on every interface).
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{model}/kv-events"}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{model}/kv-events",
+              "replay_endpoint": f"ipc://{model}/kv-replay"}
     for url in start_vllm(tmp_path_factory, "--scheduling-policy", "priority", "--max-num-seqs", "8", "--kv-events-config", json.dumps(events),
                           model=model, env_extra={"VLLM_SERVER_DEV_MODE": "1"}):  # /reset_prefix_cache
         yield Engine(url, model, events["endpoint"])
@@ -234,3 +235,26 @@ def test_the_gateway_pictures_vllms_prefix_cache_from_its_kv_events(engine: Engi
         assert events("cleared") > 0
         assert send() == (0, 0)  # the approximate picture would still expect the whole prompt
         assert events("unknown_parent") == 0 and events("misaligned") == 0
+
+
+def test_a_gateway_starting_beside_a_warm_engine_replays_what_it_holds(engine: Engine) -> None:
+    """vLLM keeps its last event batches for replay: a gateway that starts after the engine
+    cached a prompt (another client's, or before a gateway restart) asks for them, and its first
+    request of that prompt is expected to hit exactly as much as vLLM then finds."""
+    prompt = " ".join(f"Verse {i} counts the stones on the road to village {i * 3}." for i in range(60))
+    assert httpx.post(f"{engine.url}/reset_prefix_cache", timeout=10).status_code == 200
+    direct = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    direct.completions.create(model="tiny", prompt=prompt, max_tokens=2)  # cached before any gateway listens
+    cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "budget": 8}], "prefix": {"tokenizer": str(engine.model)},
+                                        "health_interval_s": 0.5})
+    with ServerThread(create_app(cfg)) as gw:
+        t0 = time.monotonic()
+        while not metric(gw.url, "slogate_kv_events_total", kind="replayed_batches") and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert metric(gw.url, "slogate_kv_events_total", kind="replayed_batches") > 0
+        g0, e0 = metric(gw.url, "slogate_prefix_cached_tokens_total"), metric(engine.url, "vllm:prefix_cache_hits_total")
+        openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120).completions.create(
+            model="tiny", prompt=prompt, max_tokens=2)
+        expected = metric(gw.url, "slogate_prefix_cached_tokens_total") - g0
+        found = metric(engine.url, "vllm:prefix_cache_hits_total") - e0
+    assert found >= 256 and expected == found

@@ -60,7 +60,11 @@ class BackendConfig(_Strict):
                                   "with `prefix.tokenizer`: asked of vLLM (`/kv_event_sources`), used where it publishes on every "
                                   "interface (`tcp://*:PORT`, read at the replica's host) or on a socket file.")
 
-    @field_validator("kv_events")
+    kv_events_replay: str | None = Field(None, description="The engine's replay endpoint for its KV-cache events (vLLM's `replay_endpoint`): "
+                                         "a gateway that starts asks it for the batches it missed, so an engine's cache from before is "
+                                         "in the picture too (as far as vLLM's buffer reaches). Unset: asked of vLLM with the endpoint.")
+
+    @field_validator("kv_events", "kv_events_replay")
     @classmethod
     def _kv_events(cls, v: str | None) -> str | None:
         port = v.rsplit(":", 1)[-1] if v is not None and v.startswith("tcp://") else ""

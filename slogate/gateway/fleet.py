@@ -51,11 +51,16 @@ class Backend:
     max_len: int | None = None  # its context length (vLLM's /v1/models `max_model_len`); 0: not told
     gives_ids: bool = False  # its streams carried token ids when asked: they count each chunk's tokens
     kv_found: str | None = None  # where vLLM says it publishes KV-cache events ("": nowhere; None: not asked yet)
+    kv_replay_found: str | None = None  # and where it replays them
 
     @property
     def kv_events(self) -> str | None:
         """Its KV-cache event endpoint: configured, else the one vLLM's /kv_event_sources named."""
         return self.cfg.kv_events or self.kv_found or None
+
+    @property
+    def kv_replay(self) -> str | None:
+        return self.cfg.kv_events_replay or (self.kv_replay_found if not self.cfg.kv_events else None)
 
     def __post_init__(self) -> None:
         self.use(self.cfg)
@@ -305,6 +310,9 @@ class Fleet:
         ep = ranks[0].get("endpoint") if len(ranks) == 1 else None
         if isinstance(ep, str) and (ep.startswith("ipc://") or ep.startswith("tcp://*:")):
             b.kv_found = ep.replace("*", "{host}", 1)
+            rp = ranks[0].get("replay_endpoint")
+            if isinstance(rp, str) and (rp.startswith("ipc://") or rp.startswith("tcp://*:")):
+                b.kv_replay_found = rp.replace("*", "{host}", 1)
             log.info("replica %s publishes its KV-cache events at %s", b.name, ep)
 
     def _metrics_due(self, b: Backend) -> bool:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from slogate.gateway.metrics import Metrics
 
 log = logging.getLogger("slogate.gateway")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's replay: nothing more
 
 
 class EngineBlocks:
@@ -150,14 +151,20 @@ class KVEventFeeds:
             count.labels(b.name, "connect_failed").inc()
             return
         log.info("replica %s: reading its KV-cache events from %s", b.name, endpoint)
-        last: int | None = None
         try:
+            # Subscribed first, then the replay: a batch published in between comes both ways.
+            replayed = await self._replay(b, endpoint_for(b.kv_replay, b.cfg.url), blocks) if b.kv_replay else -1
+            last: int | None = replayed if replayed >= 0 else None
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) != 3:
                     count.labels(b.name, "undecodable").inc()
                     continue
                 seq = int.from_bytes(frames[1], "big")
+                if replayed >= 0:
+                    if seq <= replayed:
+                        continue  # the replay brought it already
+                    replayed = -1
                 if last is not None and seq != last + 1:
                     if seq <= last:  # the engine restarted: its cache is empty
                         blocks.cleared()
@@ -175,3 +182,32 @@ class KVEventFeeds:
                     count.labels(b.name, kind).inc(k)
         finally:
             sock.close(linger=0)
+
+    async def _replay(self, b: Backend, endpoint: str, blocks: EngineBlocks, timeout_s: float = 5.0) -> int:
+        """The batches vLLM still buffers (its last `buffer_steps`), applied in order: what the
+        engine stored before this gateway listened. The last sequence number applied (-1: none)."""
+        import msgspec
+        import zmq
+        import zmq.asyncio
+
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        last, n = -1, 0
+        try:
+            sock.connect(endpoint)
+            await sock.send_multipart((b"", (0).to_bytes(8, "big")))
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    frames = await sock.recv_multipart()  # (b"", topic, seq, payload); the end: seq -1
+                    if len(frames) != 4 or frames[2] == END_SEQ:
+                        break
+                    got = blocks.apply(msgspec.msgpack.decode(frames[3])[1])
+                    last, n = int.from_bytes(frames[2], "big"), n + 1
+                    for kind, k in got.items():
+                        self.metrics.kv_events.labels(b.name, kind).inc(k)
+        except (TimeoutError, zmq.ZMQError, msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError) as e:
+            log.warning("replica %s: replaying its KV-cache events from %s stopped: %s", b.name, endpoint, e or type(e).__name__)
+        finally:
+            sock.close(linger=0)
+        self.metrics.kv_events.labels(b.name, "replayed_batches").inc(n)
+        return last
