@@ -15,28 +15,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import openai
 
+from slogate.testing.fleet import cpu_s
 from slogate.testing.ports import free_port
-from slogate.testing.procs import stop, wait_http
+from slogate.testing.procs import slogate, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at"]
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def load(url: str, rate: float, duration: float, seed: int) -> int:
@@ -63,11 +56,10 @@ def run(system: str, engines: list[str], rate: float, duration: float, seed: int
     url = f"http://127.0.0.1:{port}"
     backends = [a for u in engines for a in ("--backend", u)]
     if system == "passthrough":
-        p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "passthrough.py"), "--port", str(port), *backends], start_new_session=True)
+        p = spawn([sys.executable, str(ROOT / "bench" / "passthrough.py"), "--port", str(port), *backends], quiet=False)
         wait_http(f"{url}/v1/chat/completions", timeout=60, below=500)
     else:
-        p = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--port", str(port),
-                              "--log-level", "warning", *backends], start_new_session=True)
+        p = slogate("serve", "--port", str(port), "--log-level", "warning", *backends, quiet=False)
         wait_http(f"{url}/health", timeout=60)
     try:
         time.sleep(3)
@@ -92,8 +84,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     ports = [free_port(), free_port()]
-    engines = [subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "engine", "--port", str(p), "--model", "tiny",
-                                 "--fixed-ttft-ms", "100", "--fixed-itl-ms", "20"], start_new_session=True) for p in ports]
+    engines = [slogate("engine", "--port", str(p), "--model", "tiny", "--fixed-ttft-ms", "100", "--fixed-itl-ms", "20", quiet=False)
+               for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     rows = []
     try:

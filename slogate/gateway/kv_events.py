@@ -178,10 +178,13 @@ class KVEventFeeds:
                 except (msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError):
                     count.labels(b.name, "undecodable").inc()
                     continue
-                for kind, k in got.items():
-                    count.labels(b.name, kind).inc(k)
+                self._count(b, got)
         finally:
             sock.close(linger=0)
+
+    def _count(self, b: Backend, got: dict[str, int]) -> None:
+        for kind, k in got.items():
+            self.metrics.kv_events.labels(b.name, kind).inc(k)
 
     async def _replay(self, b: Backend, endpoint: str, blocks: EngineBlocks, timeout_s: float = 5.0) -> int:
         """The batches vLLM still buffers (its last `buffer_steps`), applied in order: what the
@@ -203,8 +206,7 @@ class KVEventFeeds:
                         break
                     got = blocks.apply(msgspec.msgpack.decode(frames[3])[1])
                     last, n = int.from_bytes(frames[2], "big"), n + 1
-                    for kind, k in got.items():
-                        self.metrics.kv_events.labels(b.name, kind).inc(k)
+                    self._count(b, got)
         except (TimeoutError, zmq.ZMQError, msgspec.DecodeError, KeyError, IndexError, TypeError, ValueError) as e:
             log.warning("replica %s: replaying its KV-cache events from %s stopped: %s", b.name, endpoint, e or type(e).__name__)
         finally:
