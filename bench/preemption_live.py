@@ -101,6 +101,15 @@ def attainment(res: list[dict], kind: str) -> float:
     return round(sum(r["ok"] for r in res if r["kind"] == kind) / max(sum(r["kind"] == kind for r in res), 1), 3)
 
 
+def engine_counters(urls: list[str]) -> tuple[float, float]:
+    """The engines' prefix-cache hits and queries in tokens (vLLM's counters; 0 where absent)."""
+    hits = queries = 0.0
+    for u in urls:
+        hits += metric(u, "vllm:prefix_cache_hits_total")
+        queries += metric(u, "vllm:prefix_cache_queries_total")
+    return hits, queries
+
+
 def tokens(kind: str, a: argparse.Namespace) -> int:
     return {"best_effort": a.be_tokens, "deadline": a.dl_tokens, "latency": a.lat_tokens}[kind]
 
@@ -236,8 +245,11 @@ def main() -> None:
                     url = f"http://127.0.0.1:{port}"
                     try:
                         wait_http(f"{url}/health")
+                        hits0, queries0 = engine_counters(urls)
                         res = asyncio.run(replay(url, arr, a))
+                        hits1, queries1 = engine_counters(urls)
                         pre = metric(url, "slogate_preemptions_total")
+                        recompute = metric(url, "slogate_preempt_recompute_tokens_total")
                         gaps = metric(url, "slogate_resume_gap_seconds_sum") / max(metric(url, "slogate_resume_gap_seconds_count"), 1)
                     finally:
                         stop([gw])
@@ -247,7 +259,10 @@ def main() -> None:
                            "deadline_attainment": attainment(res, "deadline"), "latency_attainment": attainment(res, "latency"),
                            "best_effort_done": sum(r["ok"] for r in res if r["kind"] == "best_effort"),
                            "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
-                           "not_intact": sum(r["intact"] is False for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3)}
+                           "not_intact": sum(r["intact"] is False for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3),
+                           # what the gateway expected to prefill again per preemption, and the engines' own hit rate
+                           "recompute_per_preemption": round(recompute / pre) if pre else 0,
+                           "engine_hit_rate": round((hits1 - hits0) / (queries1 - queries0), 3) if queries1 > queries0 else None}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if a.out:

@@ -251,3 +251,52 @@ def test_gmax_prices_a_turn_by_what_the_free_replicas_cache():
     turn.room_cached = None
     _, _, t_both, _, _ = GMAX(seed=0).estimate(0.0, [turn], [holder, other])
     assert t_both[0] == pytest.approx(t_best[0])
+
+
+def test_a_preempted_answer_is_priced_and_placed_where_its_engine_cached_it():
+    from slogate.router.lifecycle import Lifecycle
+    from slogate.router.policies import FCFS
+
+    a, b = cached_view(0), cached_view(1)
+    life = Lifecycle(FCFS(), [a, b])
+    r = preq(1, tuple(range(4)), slo=SLO.deadline(60.0))  # a 2,048-token prompt
+    a.claim(r, 0.0)
+    life.tokens(r, 1, 0.5)
+    life.tokens(r, 1999, 20.0)  # 2,000 answer tokens out, then cut
+    life.preempted(r, 20.0)
+    assert r.ran_on == 0 and r.replica is None and r.context_tokens == 4048
+    b.cache.insert(r.prefix)  # another replica holds the prompt too, but not the answer
+    assert a.cached_tokens(r) == 4047  # prompt and answer: only the last token is computed again
+    assert b.cached_tokens(r) == 2047
+    assert a.prefill_cost(r) < 0.2 * b.prefill_cost(r)
+    assert GoRouting().place(20.0, r, [b, a]) is a  # it continues where its answer is
+    a.kv_block = 128
+    assert a.cached_tokens(r) == 3968  # whole engine blocks only
+    r2 = preq(2, tuple(range(4)))
+    r2.generated, r2.ran_on = 500, 0
+    a.cache.clear()  # the engine's cache was emptied: no prompt, so no answer either
+    assert a.cached_tokens(r2) == 0
+
+
+def test_simulated_engine_finds_an_aborted_answer_cached():
+    model = BatchLatencyModel(PROFILES["llama3.1-8b@a100-80g"])
+    eng = EngineSim(0, model, max_batched_tokens=100_000)
+    r = preq(1, tuple(range(4)))
+    eng.add(Seq(r, 3000))
+    eng.start_step(0.0)
+    eng.finish_step()
+    for _ in range(1000):  # 1,000 answer tokens, one step each
+        r.generated += 1
+        eng.start_step(0.0)
+        eng.finish_step()
+    assert eng.abort(1) is not None
+    cold = preq(2, tuple(range(100, 104)))
+    cold.generated = 1000  # the same context, nothing of it cached
+    eng.add(Seq(cold, 3000))
+    t_cold = eng.start_step(0.0) or 0.0
+    eng.finish_step()
+    eng.abort(2)
+    eng.add(Seq(r, 3000))
+    t_resume = eng.start_step(0.0) or 0.0
+    assert t_resume < 0.2 * t_cold  # only the tail past the last whole block is prefilled again
+    assert eng.prefix_hits >= 2048 + 992

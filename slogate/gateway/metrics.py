@@ -58,8 +58,8 @@ class Metrics:
                                     "to first token after it", buckets=_LAT, registry=r)
         self.preemptions = Counter("slogate_preemptions_total", "Streams the scheduler took off a replica to continue later "
                                    "(the replica named)", ["backend"], registry=r)
-        self.recompute = Counter("slogate_preempt_recompute_tokens_total", "Prompt and generated tokens of preempted streams, "
-                                 "prefilled again where they continue", registry=r)
+        self.recompute = Counter("slogate_preempt_recompute_tokens_total", "Prompt and generated tokens of preempted streams "
+                                 "prefilled again where they continue (less what the gateway expects that replica's prefix cache to hold)", registry=r)
         self.replica_state = Gauge("slogate_replica_state", "1 for the replica's membership state: active (takes new requests), "
                                    "draining (finishing its streams, then leaving) or drained (held out by an operator)",
                                    ["backend", "state"], registry=r)

@@ -206,13 +206,13 @@ class Upstream:
                 ex.resp.close()  # the engine aborts the sequence and frees its KV
                 ex.ticket = None
                 self.metrics.preemptions.labels(b.name).inc()
-                # What the next replica prefills again: the prompt and the answer so far (less
-                # where its prefix cache still holds them).
-                self.metrics.recompute.inc(t.req.input_tokens + t.req.generated)
                 log.info("stream on %s preempted after %d tokens: it waits and continues", b.name, t.req.generated)
                 ex.resumed = t.req.generated
                 ex.adm.requeue(t)
                 await self._wait_again(ex, t)
+                # What the next replica prefills again: the prompt and the answer so far, less what
+                # the gateway expects its prefix cache to hold (all but the tail where it ran).
+                self.metrics.recompute.inc(max(t.req.context_tokens - t.req.cached, 0))
                 await self.open(ex)
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 t = ex.ticket

@@ -79,6 +79,7 @@ class Lifecycle:
         with its prompt when it is dispatched again)."""
         if req.replica is not None:
             self.by_rid[req.replica].release(req, now)
+        req.ran_on = req.replica
         req.replica = None
         req.dispatched_at = None
         req.preemptions += 1

@@ -109,6 +109,9 @@ class Request:
     dispatched_at: float | None = None
     finished_at: float | None = None
     replica: int | None = None
+    # The replica it last left mid-answer (preempted): that engine cached its prompt and answer
+    # blocks as it computed them, so a resume there re-prefills little (vLLM, measured).
+    ran_on: int | None = None
     preemptions: int = 0
     preemptible: bool = True  # the driver can stop it and continue it later (live: a resumable stream past its first token)
     # Someone chose its TBT (live: the request, its key, tier or model; not the built-in default).

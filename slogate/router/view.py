@@ -84,6 +84,10 @@ class ReplicaView:
         if self.cache is None or not req.prefix:
             return 0
         hit = hit_tokens(self.cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
+        if req.generated and req.ran_on == self.rid and hit >= req.input_tokens - max(req.tokens_per_block, self.kv_block):
+            # A stream cut here mid-answer: the engine cached its answer's blocks beside its prompt's
+            # (a resume by token ids continues the very same sequence), so only the tail is prefilled.
+            hit = req.context_tokens - 1
         return hit - hit % self.kv_block if self.kv_block > 1 else hit
 
     def prefill_cost(self, req: Request, cached: int | None = None) -> float:

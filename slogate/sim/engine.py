@@ -17,7 +17,7 @@ counted in prompt tokens, like vLLM's `prefix_cache_hits` / `prefix_cache_querie
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from slogate.router.latency import BatchLatencyModel
@@ -25,6 +25,7 @@ from slogate.router.prefix import PrefixCache, hit_tokens
 from slogate.router.request import Request
 
 BLOCK = 16
+ANSWERS_KEPT = 4096  # aborted answers whose cached blocks are remembered
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +67,9 @@ class EngineSim:
         self.prefix_cache: PrefixCache | None = None  # made on the first prompt with block hashes
         self.prefix_hits = 0  # prompt tokens found cached at admission
         self.prefix_queries = 0  # prompt tokens looked up
+        # Aborted mid-answer (a gateway's preemption): the context blocks it had computed stay
+        # cached (vLLM caches answer blocks as they fill), found again when it is sent back here.
+        self.answers: OrderedDict[int, int] = OrderedDict()
         self._step: list[tuple[Seq, int]] = []  # (seq, tokens scheduled) for the step in flight
 
     # -- admission / abort ------------------------------------------------------------------
@@ -76,6 +80,10 @@ class EngineSim:
         for i, s in enumerate(self.running):
             if s.req.rid == rid:
                 self.running.pop(i)
+                if s.cached_in and s.req.generated:
+                    self.answers[rid] = s.computed - s.computed % BLOCK
+                    if len(self.answers) > ANSWERS_KEPT:
+                        self.answers.popitem(last=False)
                 self._free(s)
                 s.active = False
                 return s
@@ -109,6 +117,9 @@ class EngineSim:
         if self.prefix_cache is None:
             self.prefix_cache = PrefixCache(max(int(self.kv_capacity_tokens // max(req.tokens_per_block, 1.0)), 1))
         s.computed = hit_tokens(self.prefix_cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
+        held = self.answers.pop(req.rid, 0)
+        if held and s.computed >= req.input_tokens - max(req.tokens_per_block, BLOCK):
+            s.computed = max(s.computed, min(held, s.target - 1))
 
     def _preempt_last(self) -> Seq | None:
         victim = self.running.pop()
@@ -153,7 +164,7 @@ class EngineSim:
                 s.computed = 0
                 break
             if fresh and s.req.prefix:
-                self.prefix_queries += s.req.input_tokens
+                self.prefix_queries += s.req.context_tokens
                 self.prefix_hits += s.computed
             self.waiting.popleft()
             s.admitted_at = now
