@@ -300,3 +300,24 @@ def test_simulated_engine_finds_an_aborted_answer_cached():
     t_resume = eng.start_step(0.0) or 0.0
     assert t_resume < 0.2 * t_cold  # only the tail past the last whole block is prefilled again
     assert eng.prefix_hits >= 2048 + 992
+
+
+def test_a_preempted_answer_with_a_short_prompt_waits_for_the_replica_holding_it():
+    from slogate.router.lifecycle import Lifecycle
+    from slogate.router.policies import FCFS
+
+    a, b = cached_view(0, budget=1), cached_view(1, budget=1)
+    life = Lifecycle(FCFS(), [a, b])
+    r = req(1, inp=12, slo=SLO.best_effort(600.0))  # shorter than a block: no prefix hashes at all
+    a.claim(r, 0.0)
+    life.tokens(r, 1, 0.2)
+    life.tokens(r, 1499, 30.0)
+    life.preempted(r, 30.0)
+    assert a.cached_tokens(r) == 1511 and b.cached_tokens(r) == 0
+    other = req(2, inp=12)
+    a.claim(other, 30.0)  # the slot it gave up is taken; b is free
+    gr = GoRouting()
+    assert gr.place(30.0, r, [a, b]) is None  # it waits for a rather than re-prefill 1,512 tokens on b
+    life.tokens(other, 1, 30.1)
+    life.finished(other, 31.0, 0.0)
+    assert gr.place(31.0, r, [a, b]) is a

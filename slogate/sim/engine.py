@@ -80,7 +80,7 @@ class EngineSim:
         for i, s in enumerate(self.running):
             if s.req.rid == rid:
                 self.running.pop(i)
-                if s.cached_in and s.req.generated:
+                if s.req.generated and (s.cached_in or not s.req.prefix):
                     self.answers[rid] = s.computed - s.computed % BLOCK
                     if len(self.answers) > ANSWERS_KEPT:
                         self.answers.popitem(last=False)
@@ -112,13 +112,12 @@ class EngineSim:
     def _lookup(self, s: Seq) -> None:
         """A sequence starting from nothing: its cached prompt prefix needs no prefill."""
         req = s.req
-        if not req.prefix:
-            return
-        if self.prefix_cache is None:
-            self.prefix_cache = PrefixCache(max(int(self.kv_capacity_tokens // max(req.tokens_per_block, 1.0)), 1))
-        s.computed = hit_tokens(self.prefix_cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
         held = self.answers.pop(req.rid, 0)
-        if held and s.computed >= req.input_tokens - max(req.tokens_per_block, BLOCK):
+        if req.prefix:
+            if self.prefix_cache is None:
+                self.prefix_cache = PrefixCache(max(int(self.kv_capacity_tokens // max(req.tokens_per_block, 1.0)), 1))
+            s.computed = hit_tokens(self.prefix_cache.match(req.prefix), req.tokens_per_block, req.input_tokens)
+        if held and (not req.prefix or s.computed >= req.input_tokens - max(req.tokens_per_block, BLOCK)):
             s.computed = max(s.computed, min(held, s.target - 1))
 
     def _preempt_last(self) -> Seq | None:
@@ -163,7 +162,7 @@ class EngineSim:
             if not self._grow(s, n):
                 s.computed = 0
                 break
-            if fresh and s.req.prefix:
+            if fresh and (s.req.prefix or s.req.generated):
                 self.prefix_queries += s.req.context_tokens
                 self.prefix_hits += s.computed
             self.waiting.popleft()

@@ -139,14 +139,14 @@ class GoRouting(PlacementPolicy):
         """A replica with no free slot that holds much more of `req`'s prompt than any replica with
         room, if `req` can wait for its next free slot and still have its first token in time: the
         request is better left waiting for it (the scheduler fills the free slot with another)."""
-        if not req.prefix or self.wait_for_cache <= 0:
+        if not (req.prefix or req.generated) or self.wait_for_cache <= 0:
             return None
         full = [p for p in replicas if p.healthy and p.free == 0 and p.cache is not None and p.role != "decode"]
         if not full:
             return None
         hits = [p.cached_tokens(req) for p in full]
         best = max(hits)
-        if best - max((p.cached_tokens(req) for p in room), default=0) < self.wait_for_cache * req.input_tokens:
+        if best - max((p.cached_tokens(req) for p in room), default=0) < self.wait_for_cache * req.context_tokens:
             return None
         holder = full[hits.index(best)]
         v = holder.token_time(0)
