@@ -39,7 +39,7 @@ from slogate.testing.fleet import MODEL
 from slogate.testing.loadgen import StreamResult, stream_once
 from slogate.testing.ports import free_port
 from slogate.testing.procs import slogate, stop, wait_http
-from slogate.testing.prom import metric
+from slogate.testing.prom import metric, samples, scrape
 
 
 def arrivals(scale: float, a: argparse.Namespace, seed: int) -> list[tuple[float, str]]:
@@ -250,6 +250,7 @@ def main() -> None:
                         hits1, queries1 = engine_counters(urls)
                         pre = metric(url, "slogate_preemptions_total")
                         recompute = metric(url, "slogate_preempt_recompute_tokens_total")
+                        shed = {lab["reason"]: int(v) for lab, v in samples(scrape(url), "slogate_shed_total") if v}
                         gaps = metric(url, "slogate_resume_gap_seconds_sum") / max(metric(url, "slogate_resume_gap_seconds_count"), 1)
                     finally:
                         stop([gw])
@@ -261,7 +262,7 @@ def main() -> None:
                            "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
                            "not_intact": sum(r["intact"] is False for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3),
                            # what the gateway expected to prefill again per preemption, and the engines' own hit rate
-                           "recompute_per_preemption": round(recompute / pre) if pre else 0,
+                           "recompute_per_preemption": round(recompute / pre) if pre else 0, "shed": shed,
                            "engine_hit_rate": round((hits1 - hits0) / (queries1 - queries0), 3) if queries1 > queries0 else None}
                     rows.append(row)
                     print(json.dumps(row), flush=True)

@@ -136,7 +136,7 @@ class GoRouting(PlacementPolicy):
         return self.argmin_random_ties(cands, lambda p: p.estimate_exec(now))
 
     def busy_holder(self, now: float, req: Request, replicas: Sequence[ReplicaView], room: Sequence[ReplicaView]) -> ReplicaView | None:
-        """A replica with no free slot that holds much more of `req`'s prompt than any replica with
+        """A replica with no free slot that holds much more of `req`'s context than any replica with
         room, if `req` can wait for its next free slot and still have its first token in time: the
         request is better left waiting for it (the scheduler fills the free slot with another)."""
         if not (req.prefix or req.generated) or self.wait_for_cache <= 0:
