@@ -85,7 +85,9 @@ def test_preempted_streams_continue_with_exactly_their_answer_over_a_thousand_pr
     assert not wrong, wrong  # nothing lost, repeated or reordered
     assert all(r[1] is not None and r[1].completion_tokens == N_TOKENS for r in out.values()), [r[1] for r in out.values()]
     assert preempted == asked >= 1000, (preempted, asked)
-    assert recompute > preempted * N_TOKENS / 10  # each resume re-prefills the prompt and the text so far
+    # Each resume re-prefills at least its last token; most go back to the engine that cached their
+    # context, so far less than the whole prompt and text so far (about N_TOKENS / 2 a resume).
+    assert preempted <= recompute < preempted * N_TOKENS / 4, (recompute, preempted)
     assert gaps >= preempted * 0.9  # nearly every preemption shows as a gap (a stream preempted twice before its next token: one)
 
 
