@@ -321,3 +321,10 @@ def test_a_preempted_answer_with_a_short_prompt_waits_for_the_replica_holding_it
     life.tokens(other, 1, 30.1)
     life.finished(other, 31.0, 0.0)
     assert gr.place(31.0, r, [a, b]) is a
+
+
+def test_gmax_charges_a_victim_only_the_tail_it_re_prefills_where_its_context_is_cached():
+    r = preq(1, tuple(range(4)))
+    r.generated = 1500  # a 3,548-token context
+    g = GMAX(seed=0)
+    assert g._resume_prefill(cached_view(0), r) < 0.1 * g._resume_prefill(view(1), r)  # no picture: all of it

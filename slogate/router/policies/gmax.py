@@ -368,7 +368,7 @@ class GMAX(OrderingPolicy):
                 _, _, r_tgen, _, _ = self.estimate(now, running, [p])
                 for k, r in enumerate(running):
                     if r.slo.kind is not SLOClass.LATENCY:  # deadline and compound answers with slack yield too
-                        stall = p.model.prefill_time(r.context_tokens) + p.model.t_c + self.frame_s
+                        stall = self._resume_prefill(p, r) + p.model.t_c + self.frame_s
                         ahead[k] = now + t_gen[w] + stall + r_tgen[k] <= r.deadline_at
             # Pausing a stream that loses nothing by it pays only when the waiting one cannot
             # wait for a slot to free on its own: it must start within `urgency_s` to keep its SLO.
@@ -386,7 +386,7 @@ class GMAX(OrderingPolicy):
                 continue
             victim = running[j]
             # goodput_loss = stall_duration × token_generation_speed on that replica
-            stall = p.model.prefill_time(victim.context_tokens) + p.model.t_c
+            stall = self._resume_prefill(p, victim) + p.model.t_c
             speed = max(p.n_decode, 1) / p.token_time(0)
             loss = stall * speed
             if good[w] - r_good[j] > loss:
@@ -394,6 +394,13 @@ class GMAX(OrderingPolicy):
                 rest.remove(w)
                 self.owed[waiting[w].rid] = now + 2 * self.frame_s
         return out
+
+    @staticmethod
+    def _resume_prefill(p: ReplicaView, r: Request) -> float:
+        """The prefill a running request pays when it resumes on p after a preemption: the tail
+        only where p's prefix cache is pictured (it keeps the context's blocks), else all of it."""
+        cached = r.context_tokens - 1 if p.cache is not None else 0
+        return p.model.prefill_time(r.context_tokens - cached, cached)
 
     @staticmethod
     def _must_start(r: Request, t_gen: float) -> float:
