@@ -35,6 +35,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_engines import engine_counters
+
 from slogate.testing.fleet import MODEL
 from slogate.testing.loadgen import StreamResult, stream_once
 from slogate.testing.ports import free_port
@@ -99,15 +101,6 @@ def paced(r: StreamResult, n: int, ttft_s: float, tbt_s: float) -> bool:
 def attainment(res: list[dict], kind: str) -> float:
     """The share of `kind`'s requests that met their SLO."""
     return round(sum(r["ok"] for r in res if r["kind"] == kind) / max(sum(r["kind"] == kind for r in res), 1), 3)
-
-
-def engine_counters(urls: list[str]) -> tuple[float, float]:
-    """The engines' prefix-cache hits and queries in tokens (vLLM's counters; 0 where absent)."""
-    hits = queries = 0.0
-    for u in urls:
-        hits += metric(u, "vllm:prefix_cache_hits_total")
-        queries += metric(u, "vllm:prefix_cache_queries_total")
-    return hits, queries
 
 
 def tokens(kind: str, a: argparse.Namespace) -> int:

@@ -46,6 +46,7 @@ from real_engines import (
     bench_systems,
     build_model,
     engine_bench_args,
+    engine_counters,
     judge,
     met,
     pct,
@@ -93,15 +94,6 @@ def arrivals(turns: list[dict], rate: float, duration: float, seed: int, tokens_
                     "prompt": " ".join(block_text(h, words) for h in ids)})
         t += rng.expovariate(rate)
     return out
-
-
-def engine_counters(urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    for u in urls:
-        text = httpx.get(f"{u}/metrics", timeout=10).text
-        hits += sum(v for _, v in samples(text, "vllm:prefix_cache_hits_total"))
-        queries += sum(v for _, v in samples(text, "vllm:prefix_cache_queries_total"))
-    return hits, queries
 
 
 KNOBS: dict[str, dict] = {"slogate-noindex": {"prefix": {"enabled": False}}}  # each a default slogate with only these settings

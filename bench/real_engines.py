@@ -116,6 +116,16 @@ def reset_caches(urls: list[str]) -> None:
             httpx.post(f"{u}/reset_prefix_cache", timeout=10)
 
 
+def engine_counters(urls: list[str]) -> tuple[float, float]:
+    """The engines' prefix-cache hits and queries in tokens, summed (vLLM's counters; 0 where absent)."""
+    hits = queries = 0.0
+    for u in urls:
+        text = httpx.get(f"{u}/metrics", timeout=10).text
+        hits += sum(v for _, v in samples(text, "vllm:prefix_cache_hits_total"))
+        queries += sum(v for _, v in samples(text, "vllm:prefix_cache_queries_total"))
+    return hits, queries
+
+
 GATEWAY_DEFAULT_FLAGS: list[str] = []  # `--slo-scale`: slogate's built-in default SLO scaled like the rules
 # Engines publishing KV-cache events (bench/prefix_engines.py --kv-events): URL -> endpoint, and
 # what vllm-router's kv_aware policy needs to read them (the engines' block size, the model).

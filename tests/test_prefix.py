@@ -325,6 +325,8 @@ def test_a_preempted_answer_with_a_short_prompt_waits_for_the_replica_holding_it
 
 def test_gmax_charges_a_victim_only_the_tail_it_re_prefills_where_its_context_is_cached():
     r = preq(1, tuple(range(4)))
+    here = cached_view(0)
+    here.claim(r, 0.0)  # running here: its prompt is in the picture
     r.generated = 1500  # a 3,548-token context
     g = GMAX(seed=0)
-    assert g._resume_prefill(cached_view(0), r) < 0.1 * g._resume_prefill(view(1), r)  # no picture: all of it
+    assert g._resume_prefill(here, r) < 0.1 * g._resume_prefill(view(1), r)  # no picture: all of it

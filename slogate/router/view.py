@@ -79,16 +79,20 @@ class ReplicaView:
     def _slots(self, limit: int) -> int:
         return max(limit - self.inflight, 0) if self.healthy else 0
 
-    def cached_tokens(self, req: Request) -> int:
+    def cached_tokens(self, req: Request, ran_here: bool | None = None) -> int:
         """Context tokens of `req` (its prompt; after a preemption, its answer so far too) this
-        replica's prefix cache holds, as far as the gateway knows."""
+        replica's prefix cache holds, as far as the gateway knows. `ran_here`: whether its answer
+        so far was computed here (default: it was preempted here); GMAX asks it of a running
+        request, to price its resume before preempting it."""
         if self.cache is None:
             return 0
         hit = hit_tokens(self.cache.match(req.prefix), req.tokens_per_block, req.input_tokens) if req.prefix else 0
+        if ran_here is None:
+            ran_here = req.ran_on == self.rid
         # A stream cut here mid-answer: the engine cached its answer's blocks beside its prompt's (a
         # resume by token ids continues the very same sequence), so only the tail is prefilled, as
         # long as the prompt is still here (a prompt shorter than a block has no hashes at all).
-        if req.ran_on == self.rid and req.generated and (
+        if ran_here and req.generated and (
                 not req.prefix or hit >= req.input_tokens - max(req.tokens_per_block, self.kv_block, 1)):
             hit = req.context_tokens - 1
         return hit - hit % self.kv_block if self.kv_block > 1 else hit

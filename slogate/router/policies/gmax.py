@@ -397,10 +397,9 @@ class GMAX(OrderingPolicy):
 
     @staticmethod
     def _resume_prefill(p: ReplicaView, r: Request) -> float:
-        """The prefill a running request pays when it resumes on p after a preemption: the tail
-        only where p's prefix cache is pictured (it keeps the context's blocks), else all of it."""
-        cached = r.context_tokens - 1 if p.cache is not None else 0
-        return p.model.prefill_time(r.context_tokens - cached, cached)
+        """The prefill r, running on p, pays when it resumes there after a preemption: the view's
+        rule for a context cut on its replica (the tail where p's cache is pictured)."""
+        return p.prefill_cost(r, p.cached_tokens(r, ran_here=True))
 
     @staticmethod
     def _must_start(r: Request, t_gen: float) -> float:
