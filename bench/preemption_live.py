@@ -98,6 +98,14 @@ def paced(r: StreamResult, n: int, ttft_s: float, tbt_s: float) -> bool:
     return first - r.started <= ttft_s and (r.ended - first) / max(n - 1, 1) <= tbt_s
 
 
+def bucket_quantile(buckets: list[tuple[dict[str, str], float]], q: float) -> float | None:
+    """The upper bound of the first histogram bucket holding a share q of the observations."""
+    cum = sorted((float(lab["le"]), v) for lab, v in buckets)
+    if not cum or cum[-1][1] <= 0:
+        return None
+    return next(le for le, v in cum if v >= q * cum[-1][1])
+
+
 def attainment(res: list[dict], kind: str) -> float:
     """The share of `kind`'s requests that met their SLO."""
     return round(sum(r["ok"] for r in res if r["kind"] == kind) / max(sum(r["kind"] == kind for r in res), 1), 3)
@@ -115,6 +123,10 @@ def gmax_params(a: argparse.Namespace, preempt: bool = True) -> dict:
         params.update(preempt=False, lead_factor=0.0, yield_slack=False)  # each kind of preemption turns it on
         params.update(json.loads(a.baseline_params))
     return params
+
+
+def baseline_resume(a: argparse.Namespace) -> float:
+    return a.resume_within_s if a.baseline_resume_within_s is None else a.baseline_resume_within_s
 
 
 def label(a: argparse.Namespace, system: str) -> str:
@@ -155,13 +167,15 @@ def simulate(scale: float, rep: int, a: argparse.Namespace) -> list[dict]:
     for system, preempt in (("preempt", True), ("no-preempt", False)):
         wl = Workload(jobs=list(jobs), span_s=a.duration, output_lengths=[j.output_tokens for j in jobs])
         params = gmax_params(a, preempt)
-        sched = Scheduler(make_ordering("gmax", seed=rep, **params), make_placement("gorouting", seed=rep))
+        sched = Scheduler(make_ordering("gmax", seed=rep, **params), make_placement("gorouting", seed=rep),
+                          resume_within_s=a.resume_within_s if preempt else baseline_resume(a))
         res = result_row(ClusterSim(wl, sched, OracleLength(), EngineConfig(coeffs, budget=a.budget), n_replicas=a.engines).run())
         att = res["slo_attainment"]
         rows.append({"scale": scale, "repeat": rep, "system": label(a, system), "source": "simulator", "sent": len(jobs),
                      "goodput": round(res["token_goodput"], 1), "attainment": round(att["all"] or 0, 3),
                      "deadline_attainment": round(att.get("deadline") or 0, 3), "latency_attainment": round(att.get("latency") or 0, 3),
-                     "preemptions": res["preempted"]})
+                     "preemptions": res["preempted"], "resume_gap_mean": round(res["resume_gap_mean"] or 0, 2),
+                     "resume_gap_max": round(res["resume_gap_max"] or 0, 2)})
     return rows
 
 
@@ -186,6 +200,8 @@ def main() -> None:
     ap.add_argument("--lat-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--lat-tbt-ms", type=float, default=50.0)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--resume-within-s", type=float, default=10.0, help="policies.resume_within_s of both systems (the default: 10)")
+    ap.add_argument("--baseline-resume-within-s", type=float, default=None, help="the other system's, where it differs")
     ap.add_argument("--preempt-params", default="{}", help="GMAX parameters of the preempting system, as JSON (e.g. "
                     "'{\"yield_slack\": true, \"max_preemptions\": 4}'); the other runs the same with preempt: false")
     ap.add_argument("--baseline-params", default="{}", help="GMAX parameters of the other system only, as JSON (e.g. "
@@ -218,9 +234,9 @@ def main() -> None:
         for u in urls:
             wait_http(f"{u}/v1/models")
     off = tmp / "no-preempt.yaml"
-    off.write_text(yaml.safe_dump({"policies": {"params": gmax_params(a, preempt=False)}}))
+    off.write_text(yaml.safe_dump({"policies": {"params": gmax_params(a, preempt=False), "resume_within_s": baseline_resume(a)}}))
     on = tmp / "preempt.yaml"
-    on.write_text(yaml.safe_dump({"policies": {"params": gmax_params(a)}}))
+    on.write_text(yaml.safe_dump({"policies": {"params": gmax_params(a), "resume_within_s": a.resume_within_s}}))
     rows = []
     try:
         for scale in [float(x) for x in a.scales.split(",")]:
@@ -245,6 +261,7 @@ def main() -> None:
                         recompute = metric(url, "slogate_preempt_recompute_tokens_total")
                         shed = {lab["reason"]: int(v) for lab, v in samples(scrape(url), "slogate_shed_total") if v}
                         gaps = metric(url, "slogate_resume_gap_seconds_sum") / max(metric(url, "slogate_resume_gap_seconds_count"), 1)
+                        gap_p90 = bucket_quantile(samples(scrape(url), "slogate_resume_gap_seconds_bucket"), 0.9)
                     finally:
                         stop([gw])
                     good = sum(r["tokens"] for r in res if r["ok"]) / a.duration
@@ -254,6 +271,7 @@ def main() -> None:
                            "best_effort_done": sum(r["ok"] for r in res if r["kind"] == "best_effort"),
                            "refused": sum(r["status"] in (429, 503) for r in res), "errors": sum(r["status"] not in (200, 429, 503) for r in res),
                            "not_intact": sum(r["intact"] is False for r in res), "preemptions": pre, "mean_gap_s": round(gaps, 3),
+                           "gap_p90_s": gap_p90,  # the histogram bucket's upper bound that holds 90% of the gaps
                            # what the gateway expected to prefill again per preemption, and the engines' own hit rate
                            "recompute_per_preemption": round(recompute / pre) if pre else 0, "shed": shed,
                            "engine_hit_rate": round((hits1 - hits0) / (queries1 - queries0), 3) if queries1 > queries0 else None}

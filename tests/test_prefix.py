@@ -330,3 +330,37 @@ def test_gmax_charges_a_victim_only_the_tail_it_re_prefills_where_its_context_is
     r.generated = 1500  # a 3,548-token context
     g = GMAX(seed=0)
     assert g._resume_prefill(here, r) < 0.1 * g._resume_prefill(view(1), r)  # no picture: all of it
+
+
+def test_a_paused_answer_takes_the_next_free_slot_once_its_reader_has_waited_resume_within_s():
+    """A paused answer waits for the replica holding its context, and behind fresh work the ordering
+    prefers, only until its client has waited `resume_within_s` for the next token: then it takes
+    the next free slot anywhere, before anything else, even once its deadline is lost (the client
+    is still reading it)."""
+    from slogate.router.lifecycle import Lifecycle
+    from slogate.router.scheduler import Scheduler
+
+    a, b = cached_view(0, budget=1), cached_view(1, budget=1)
+    g = GMAX(seed=0)
+    sched = Scheduler(g, GoRouting(), resume_within_s=10.0)
+    life = Lifecycle(g, [a, b])
+    r = req(1, inp=12, slo=SLO.deadline(8.0), bound=300)  # 300 tokens due at 8 s
+    a.claim(r, 0.0)
+    life.tokens(r, 1, 0.2)
+    life.tokens(r, 99, 2.0)
+    life.preempted(r, 2.0)  # paused at 2 s with 100 tokens out
+    other = req(2, inp=12, slo=SLO.deadline(600.0), bound=1000)
+    a.claim(other, 2.0)
+    fresh = req(3, arrival=11.0, inp=12, slo=SLO.deadline(20.0), bound=100)
+    d = sched.schedule(11.0, [r, fresh], [a, b])  # its deadline is lost; paused 9 s: the fresh request goes first
+    assert [(x.rid, rid) for x, rid in d.dispatch] == [(3, 1)]
+    b.release(fresh, 11.5)
+    fresh2 = req(4, arrival=12.0, inp=12, slo=SLO.deadline(20.0), bound=100)
+    d = sched.schedule(12.1, [r, fresh2], [a, b])  # paused 10.1 s: it takes the free slot, off its holder
+    assert [(x.rid, rid) for x, rid in d.dispatch] == [(1, 1)]
+    # Without the bound the same answer, worth nothing now, waits behind the fresh request.
+    b.release(r, 12.2)
+    unbounded = Scheduler(GMAX(seed=0), GoRouting(), resume_within_s=1e9)
+    r.replica = None
+    d = unbounded.schedule(12.3, [r, fresh2], [a, b])
+    assert [(x.rid, rid) for x, rid in d.dispatch] == [(4, 1)]

@@ -137,6 +137,8 @@ class PolicyConfig(_Strict):
     placement: str = Field("gorouting", description="Placement policy: gorouting, power-of-k (pok), least-load, round-robin, random, "
                            "power-of-two (p2c), cache-aware, prefix-score, session-hash.")
     frame_s: float = Field(0.3, gt=0, le=10, description="Scheduling frame Δ, s: the queue is re-decided at least this often.")
+    resume_within_s: float = Field(10.0, gt=0, description="A paused stream (preempted, or its replica lost) whose client has waited this "
+                                   "long for its next token takes the next free slot before anything else, s.")
     params: dict[str, Any] = Field(default_factory=dict, description="Ordering parameters, e.g. gmax `{fairness: 0.2, delta: 1}`; "
                                    "checked against the policy's own when the config loads.")
     placement_params: dict[str, Any] = Field(default_factory=dict, description="Placement parameters, e.g. gorouting `{alpha: 0.9}`; "

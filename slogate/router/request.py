@@ -18,6 +18,10 @@ class SLOClass(StrEnum):
     BEST_EFFORT = "best_effort"  # no SLO; gets a default deadline so it is never starved
 
 
+# How long a paused answer's reader (preempted, or its replica lost) waits for its next token
+# before the answer takes the next free slot ahead of everything else (router/scheduler.py).
+RESUME_WITHIN_S = 10.0
+
 # Numeric class codes in `Request.static`, for vectorised policies.
 LATENCY_CODE, DEADLINE_CODE, BEST_EFFORT_CODE = 0.0, 1.0, 2.0
 # Request.static: kind code, TTFT, TBT, deadline, workflow deadline, tier weight, max_tokens, waiting_s.

@@ -9,7 +9,7 @@ from slogate.router.capacity import AT_RISK_S
 from slogate.router.placement.base import PlacementPolicy
 from slogate.router.policies.base import OrderingPolicy
 from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
-from slogate.router.request import Request, SLOClass
+from slogate.router.request import RESUME_WITHIN_S, Request, SLOClass
 from slogate.router.view import ReplicaView
 
 
@@ -24,10 +24,14 @@ class Scheduler:
     """Pure: `schedule` reads the views, claims slots on them for what it dispatches, and
     returns the decisions; the driver carries them out."""
 
-    def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy, at_risk_s: float = AT_RISK_S) -> None:
+    def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy, at_risk_s: float = AT_RISK_S,
+                 resume_within_s: float = RESUME_WITHIN_S) -> None:
         self.ordering = ordering
         self.placement = placement
         self.at_risk_s = at_risk_s  # a first token due within this (beyond its prefill) may take an overdraft slot
+        # A paused answer's reader is mid-answer: after this long it takes the next free slot
+        # before anything else, wherever that is (no ordering's priority or cached holder keeps it).
+        self.resume_within_s = placement.resume_within_s = resume_within_s
 
     @classmethod
     def from_combo(cls, combo: str, seed: int = 0) -> Scheduler:
@@ -43,11 +47,16 @@ class Scheduler:
         """Dispatch into free slots by the ordering and placement; then first tokens that cannot
         wait into the replicas' overdraft slots; then streams being read that were shed."""
         slots = sum(p.free for p in replicas if p.role != "decode")
+        first = self._overdue(now, waiting, replicas) if slots else []
+        if first:
+            slots = sum(p.free for p in replicas if p.role != "decode")
+            done = {r.rid for r, _ in first}
+            waiting = [r for r in waiting if r.rid not in done]
         sel = self.ordering.select(now, waiting, slots, replicas)
         # A request that has streamed tokens (preempted, or resumed after its replica failed) is
         # being read by its client: finished late, never cut. It gets what room is left below.
         late = [r for r, _ in sel.shed if r.generated]
-        out = Decisions(shed=[(r, why) for r, why in sel.shed if not r.generated], preempt=sel.preempt)
+        out = Decisions(dispatch=first, shed=[(r, why) for r, why in sel.shed if not r.generated], preempt=sel.preempt)
         taken: set[int] = set()  # dispatched, or chosen and left waiting by the placement (e.g. for the replica holding its prefix)
         for _ in range(3):
             declined = False
@@ -78,6 +87,22 @@ class Scheduler:
                 break
             target.claim(req, now)
             out.dispatch.append((req, target.rid))
+        return out
+
+    def _overdue(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:
+        """Paused answers whose reader has waited `resume_within_s` for the next token, placed first
+        (longest paused first). Otherwise a paused deadline answer past its deadline, worth nothing
+        to the ordering, waited for a spare slot behind every fresh request: 100 s in simulation."""
+        due = now - self.resume_within_s
+        paused = sorted((r.last_token_at, r.rid, r) for r in waiting
+                        if r.generated and r.last_token_at is not None and r.last_token_at <= due)
+        out: list[tuple[Request, int]] = []
+        for _, _, req in paused:
+            target = self.placement.place(now, req, replicas)
+            if target is None:
+                break
+            target.claim(req, now)
+            out.append((req, target.rid))
         return out
 
     def overdraw(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:

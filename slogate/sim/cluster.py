@@ -76,6 +76,8 @@ class SimResult:
     prefix_queries: int = 0
     # Each single request that finished: (arrival, first token, finish, tokens), for users' tools' rules
     finished: list[tuple[float, float, float, int]] = field(default_factory=list)
+    # The pause each preempted answer's reader saw: its last token before, its first after
+    resume_gaps: array = field(default_factory=lambda: array("d"))
 
 
 class ClusterSim:
@@ -134,6 +136,7 @@ class ClusterSim:
         self._rid = itertools.count()
         self._block = itertools.count(1 << 40)  # block ids of workflow contexts (apart from any trace's)
         self.ttft, self.tbt, self.e2e = array("d"), array("d"), array("d")
+        self.resume_gaps = array("d")
         self.finished: list[tuple[float, float, float, int]] = []
         self.tokens_processed = 0
         self.shed = 0
@@ -186,6 +189,7 @@ class ClusterSim:
             prefix_hits=sum(e.prefix_hits for e in self.engines),
             prefix_queries=sum(e.prefix_queries for e in self.engines),
             finished=self.finished,
+            resume_gaps=self.resume_gaps,
         )
 
     # -- arrivals --------------------------------------------------------------------------------
@@ -337,9 +341,13 @@ class ClusterSim:
             req = s.req
             led = self.ledgers[req.rid]
             led.on_token(now)
+            last = req.last_token_at
             gap = tokens(req, 1, now)
             if gap is None:
-                self.ttft.append(now - req.arrival)
+                if last is not None:  # resumed after a preemption
+                    self.resume_gaps.append(now - last)
+                else:
+                    self.ttft.append(now - req.arrival)
             else:
                 self.tbt.append(gap)
                 if learner is not None:

@@ -36,6 +36,8 @@ def result_row(res: SimResult) -> dict[str, Any]:
         "throughput_tokens": res.tokens_processed / res.span_s,
         "shed": res.shed,
         "preempted": res.preempted,
+        "resume_gap_mean": sum(res.resume_gaps) / len(res.resume_gaps) if res.resume_gaps else None,
+        "resume_gap_max": max(res.resume_gaps) if res.resume_gaps else None,
         "engine_preemptions": res.engine_preemptions,
         "by_tier": {k: {"attained": b.attained / b.units if b.units else None, "token_goodput": b.token_goodput / res.span_s} for k, b in sorted(acc.by_tier.items())},
         "horizon_hit": res.horizon_hit,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from slogate.router.prefix import PrefixCache
-from slogate.router.request import Request
+from slogate.router.request import RESUME_WITHIN_S, Request
 from slogate.router.view import ReplicaView
 
 
@@ -18,6 +18,8 @@ class PlacementPolicy(ABC):
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
+        # How long a paused answer's reader may wait for its next token (the scheduler's, set by it)
+        self.resume_within_s = RESUME_WITHIN_S
 
     @abstractmethod
     def place(self, now: float, req: Request, replicas: Sequence[ReplicaView]) -> ReplicaView | None: ...

@@ -154,7 +154,10 @@ class GoRouting(PlacementPolicy):
         left = min((r.remaining_bound for r in holder.decoding.values()), default=0.0)
         wait = left * v + holder.prefill_backlog(now)
         first = wait + holder.prefill_cost(req, best) + holder.model.t_c
-        return holder if first <= first_token_budget(req, now, v) else None
+        budget = first_token_budget(req, now, v)
+        if req.generated and req.last_token_at is not None:  # paused mid-answer: its reader waits
+            budget = min(budget, req.last_token_at + self.resume_within_s - now)
+        return holder if first <= budget else None
 
     def place(self, now: float, req: Request, replicas: Sequence[ReplicaView]) -> ReplicaView | None:
         room = self.with_room(replicas)

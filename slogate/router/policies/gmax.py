@@ -229,9 +229,10 @@ class GMAX(OrderingPolicy):
             priority = (1 - self.fairness) * (priority / pmax if pmax > 0 else priority) + self.fairness * fair
         slack = np.where(is_lat, arrival + ttft + gen * tbt - now - pf, np.where(fits, dl - now - t_gen, -np.inf))
         # Never urgent: requests with nothing to protect, and (unless `jit`) all but best effort.
-        # A paused stream (preempted, its reader living on its lead) is urgent too: it must be
-        # back before its next token is due.
-        slack = np.where((goodput > 0) & (is_be | self.jit | (is_lat & (gen > 0))), slack, np.inf)
+        # A paused answer (preempted, or its replica lost) can be urgent too: a latency stream
+        # must be back before its next token is due, and a deadline answer yielded on the
+        # promise that it still ends by its deadline, which only holds if it is back in time.
+        slack = np.where((goodput > 0) & (is_be | self.jit | (gen > 0)), slack, np.inf)
         return priority, goodput, t_gen, expired, slack
 
     # -- decision ---------------------------------------------------------------------------
