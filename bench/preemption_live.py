@@ -98,12 +98,13 @@ def paced(r: StreamResult, n: int, ttft_s: float, tbt_s: float) -> bool:
     return first - r.started <= ttft_s and (r.ended - first) / max(n - 1, 1) <= tbt_s
 
 
-def bucket_quantile(buckets: list[tuple[dict[str, str], float]], q: float) -> float | None:
+def bucket_quantile(buckets: list[tuple[dict[str, str], float]], q: float) -> float | str | None:
     """The upper bound of the first histogram bucket holding a share q of the observations."""
     cum = sorted((float(lab["le"]), v) for lab, v in buckets)
     if not cum or cum[-1][1] <= 0:
         return None
-    return next(le for le, v in cum if v >= q * cum[-1][1])
+    le = next(le for le, v in cum if v >= q * cum[-1][1])
+    return le if le != float("inf") else f"> {cum[-2][0]:g}"  # past the last finite bucket (and valid JSON)
 
 
 def attainment(res: list[dict], kind: str) -> float:

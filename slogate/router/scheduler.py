@@ -47,7 +47,8 @@ class Scheduler:
         """Dispatch into free slots by the ordering and placement; then first tokens that cannot
         wait into the replicas' overdraft slots; then streams being read that were shed."""
         slots = sum(p.free for p in replicas if p.role != "decode")
-        first = self._overdue(now, waiting, replicas) if slots else []
+        overdue = self._overdue(now, waiting)
+        first = self._place_first(now, overdue, replicas) if overdue and slots else []
         if first:
             slots = sum(p.free for p in replicas if p.role != "decode")
             done = {r.rid for r, _ in first}
@@ -56,7 +57,10 @@ class Scheduler:
         # A request that has streamed tokens (preempted, or resumed after its replica failed) is
         # being read by its client: finished late, never cut. It gets what room is left below.
         late = [r for r, _ in sel.shed if r.generated]
-        out = Decisions(dispatch=first, shed=[(r, why) for r, why in sel.shed if not r.generated], preempt=sel.preempt)
+        # No new pause while a paused answer is overdue: the fleet holds more than preemption can
+        # juggle, and each further pause only lengthens the queue of readers waiting mid-answer.
+        out = Decisions(dispatch=first, shed=[(r, why) for r, why in sel.shed if not r.generated],
+                        preempt=[] if overdue else sel.preempt)
         taken: set[int] = set()  # dispatched, or chosen and left waiting by the placement (e.g. for the replica holding its prefix)
         for _ in range(3):
             declined = False
@@ -89,15 +93,19 @@ class Scheduler:
             out.dispatch.append((req, target.rid))
         return out
 
-    def _overdue(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:
-        """Paused answers whose reader has waited `resume_within_s` for the next token, placed first
-        (longest paused first). Otherwise a paused deadline answer past its deadline, worth nothing
-        to the ordering, waited for a spare slot behind every fresh request: 100 s in simulation."""
+    def _overdue(self, now: float, waiting: Sequence[Request]) -> list[Request]:
+        """Paused answers whose reader has waited `resume_within_s` for the next token, longest
+        paused first. Otherwise a paused deadline answer past its deadline, worth nothing to the
+        ordering, waited for a spare slot behind every fresh request: 100 s in simulation."""
         due = now - self.resume_within_s
-        paused = sorted((r.last_token_at, r.rid, r) for r in waiting
-                        if r.generated and r.last_token_at is not None and r.last_token_at <= due)
+        paused = [r for r in waiting if r.generated and r.last_token_at is not None and r.last_token_at <= due]
+        paused.sort(key=lambda r: (r.last_token_at, r.rid))
+        return paused
+
+    def _place_first(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:
+        """`reqs` into free slots before anything else, in order, wherever placement puts them."""
         out: list[tuple[Request, int]] = []
-        for _, _, req in paused:
+        for req in reqs:
             target = self.placement.place(now, req, replicas)
             if target is None:
                 break
