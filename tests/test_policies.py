@@ -405,3 +405,25 @@ def test_gmax_refuses_a_first_token_only_when_even_the_fastest_recent_prefill_wo
     tight = req(3, arrival=0.0, inp=1000, slo=SLO.deadline(0.8), bound=1)
     ok = req(4, arrival=0.0, inp=1000, slo=SLO.deadline(1.5), bound=1)
     assert GMAX(preempt=False).select(0.0, [tight, ok], 4, [rep]).shed == [(tight, "slo_unattainable")]
+
+
+def test_no_new_preemption_while_a_paused_answer_is_overdue():
+    """With yield_slack a best-effort answer yields to a request that must start now; while some
+    paused answer's reader has already waited `resume_within_s`, nothing more is paused."""
+    from slogate.router.placement.gorouting import GoRouting
+    from slogate.router.scheduler import Scheduler
+
+    def decide(paused_for: float) -> list:
+        rep = view(budget=1)
+        be = req(9, arrival=0.0, inp=200, slo=SLO.best_effort(600.0), bound=1500)
+        rep.claim(be, 0.0)
+        rep.first_token(be, 0.2)
+        be.generated = 100
+        urgent = req(1, arrival=4.9, inp=200, slo=SLO.deadline(2.0), bound=50)
+        paused = req(3, arrival=0.0, inp=200, slo=SLO.best_effort(600.0), bound=500)
+        paused.generated, paused.last_token_at = 50, 5.0 - paused_for
+        sched = Scheduler(GMAX(yield_slack=True), GoRouting(), resume_within_s=10.0)
+        return [r.rid for r in sched.schedule(5.0, [urgent, paused], [rep]).preempt]
+
+    assert decide(paused_for=3.0) == [9]
+    assert decide(paused_for=11.0) == []
