@@ -47,8 +47,9 @@ class Scheduler:
         """Dispatch into free slots by the ordering and placement; then first tokens that cannot
         wait into the replicas' overdraft slots; then streams being read that were shed."""
         slots = sum(p.free for p in replicas if p.role != "decode")
-        overdue = self._overdue(now, waiting)
-        first = self._place_first(now, overdue, replicas) if overdue and slots else []
+        # One pass over the queue only where it can matter: a free slot, or a preemption (below).
+        overdue = self._overdue(now, waiting) if slots else None
+        first = self._place_first(now, overdue, replicas) if overdue else []
         if first:
             slots = sum(p.free for p in replicas if p.role != "decode")
             done = {r.rid for r, _ in first}
@@ -59,8 +60,10 @@ class Scheduler:
         late = [r for r, _ in sel.shed if r.generated]
         # No new pause while a paused answer is overdue: the fleet holds more than preemption can
         # juggle, and each further pause only lengthens the queue of readers waiting mid-answer.
-        out = Decisions(dispatch=first, shed=[(r, why) for r, why in sel.shed if not r.generated],
-                        preempt=[] if overdue else sel.preempt)
+        preempt = sel.preempt
+        if preempt and (overdue if overdue is not None else self._overdue(now, waiting)):
+            preempt = []
+        out = Decisions(dispatch=first, shed=[(r, why) for r, why in sel.shed if not r.generated], preempt=preempt)
         taken: set[int] = set()  # dispatched, or chosen and left waiting by the placement (e.g. for the replica holding its prefix)
         for _ in range(3):
             declined = False
