@@ -260,9 +260,10 @@ def main() -> None:
                         hits1, queries1 = engine_counters(urls)
                         pre = metric(url, "slogate_preemptions_total")
                         recompute = metric(url, "slogate_preempt_recompute_tokens_total")
-                        shed = {lab["reason"]: int(v) for lab, v in samples(scrape(url), "slogate_shed_total") if v}
+                        text = scrape(url)
+                        shed = {lab["reason"]: int(v) for lab, v in samples(text, "slogate_shed_total") if v}
                         gaps = metric(url, "slogate_resume_gap_seconds_sum") / max(metric(url, "slogate_resume_gap_seconds_count"), 1)
-                        gap_p90 = bucket_quantile(samples(scrape(url), "slogate_resume_gap_seconds_bucket"), 0.9)
+                        gap_p90 = bucket_quantile(samples(text, "slogate_resume_gap_seconds_bucket"), 0.9)
                     finally:
                         stop([gw])
                     good = sum(r["tokens"] for r in res if r["ok"]) / a.duration

@@ -49,7 +49,7 @@ class Scheduler:
         slots = sum(p.free for p in replicas if p.role != "decode")
         # One pass over the queue only where it can matter: a free slot, or a preemption (below).
         overdue = self._overdue(now, waiting) if slots else None
-        first = self._place_first(now, overdue, replicas) if overdue else []
+        first = self._place_in_order(now, overdue, replicas) if overdue else []
         if first:
             slots = sum(p.free for p in replicas if p.role != "decode")
             done = {r.rid for r, _ in first}
@@ -88,12 +88,7 @@ class Scheduler:
         if any(p.overdraft for p in replicas):
             gone = taken | {r.rid for r, _ in out.shed} | {r.rid for r in late}
             out.dispatch += self.overdraw(now, [r for r in waiting if r.rid not in gone], replicas)
-        for req in late:
-            target = self.placement.place(now, req, replicas)
-            if target is None:
-                break
-            target.claim(req, now)
-            out.dispatch.append((req, target.rid))
+        out.dispatch += self._place_in_order(now, late, replicas)
         return out
 
     def _overdue(self, now: float, waiting: Sequence[Request]) -> list[Request]:
@@ -105,8 +100,8 @@ class Scheduler:
         paused.sort(key=lambda r: (r.last_token_at, r.rid))
         return paused
 
-    def _place_first(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:
-        """`reqs` into free slots before anything else, in order, wherever placement puts them."""
+    def _place_in_order(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:
+        """`reqs` into free slots in order, wherever placement puts them, until one finds none."""
         out: list[tuple[Request, int]] = []
         for req in reqs:
             target = self.placement.place(now, req, replicas)
