@@ -17,7 +17,7 @@ def test_simulate_writes_the_documented_json(tmp_path, synthetic_trace):
     assert len(doc["results"]) == 4
     for row in doc["results"]:
         for key in ("name", "token_goodput", "request_goodput", "tdg_ratio", "ttft_p50", "ttft_p95", "tbt_p95", "e2e_p50",
-                    "throughput_tokens", "shed", "preempted"):
+                    "throughput_tokens", "shed", "preempted", "resume_gap_mean", "resume_gap_max"):
             assert key in row
         assert set(row["slo_attainment"]) >= {"latency", "deadline", "all"}
         assert 0 <= row["tdg_ratio"] <= 1
