@@ -199,9 +199,6 @@ class CapacityConfig(_Strict):
     lend_now_below: float = Field(LearnerKnobs.lend_now_below, ge=0, le=1, description="While a replica's measured pace stays below this share of the TBT target, "
                                   "any latency request may take a lent slot at once, not only one whose first token is due within "
                                   "`overdraft_within_s` (0: off).")
-    lend_at_goal: int = Field(LearnerKnobs.lend_at_goal, ge=0, le=64, description="Slots a replica still lends to first tokens that would be lost waiting "
-                              "when its measured pace is at the goal (a full replica at the knee), within the n where its fitted "
-                              "line meets the TBT target (0: none).")
     lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "

