@@ -163,7 +163,9 @@ def plain_arrivals(rate: float, duration: float, seed: int, lengths: tuple[int, 
 CAPACITY_ALIASES = {"initial": "slow_start_budget"}
 
 
-def _knob(value: str) -> int | float | str:
+def _knob(value: str) -> bool | int | float | str:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
     for kind in (int, float):
         try:
             return kind(value)

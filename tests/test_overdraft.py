@@ -116,3 +116,48 @@ def test_the_learner_lends_at_once_only_far_below_the_goal() -> None:
     assert learned(0.0, 0.0).lend_now == 0 and learned(0.0, 0.0).overdraft == fast.overdraft
     near = learned(0.7, 0.010)  # 10 ms of stalls a gap: 36 ms, past the lend-now goal, below the overdraft's
     assert near.lend_now == 0 and near.overdraft > 0
+
+
+def test_the_learner_lends_in_a_burst_but_not_under_sustained_load() -> None:
+    """`lend_in_bursts`: a full replica whose load over ~10 s is below the line's n at the goal
+    admits beyond its budget as many as keep the pace a stream admitted now sees over its life
+    (the average load plus BURST_SHARE of the excess) below the goal; one held at that n for long
+    (overload) admits no more than its budget; with the setting off, nothing changes."""
+    from slogate.router.capacity import BURST_SHARE, CapacityLearner, _Bin, learned_budget
+
+    def learner(on: bool) -> CapacityLearner:
+        lr = CapacityLearner(48, start=8, lend_in_bursts=on)
+        lr.fit, lr.pace = (0.012, 0.0034), 0.040  # the knee's line: 12 ms + 3.4 ms a stream; pace near the goal (42.5 ms)
+        lr.bins = {n: _Bin(weight=10.0) for n in range(4, 12)}  # the line has seen up to 11 streams
+        lr._line = lambda: lr.fit  # type: ignore[method-assign]  # keep the line fixed: this test is about lending
+        return lr
+
+    def feed(lr: CapacityLearner, held: list[int]) -> CapacityLearner:
+        for t, n in enumerate(held):
+            lr.update(float(t + 1), 0.05, inflight=n)
+        return lr
+
+    burst = feed(learner(True), [5, 6, 5, 6, 7, 5, 6, 8, 8])  # ~6 on average, now full: a burst
+    n_goal = (0.0425 - 0.012) / 0.0034  # 8.97: the budget is 8
+    assert burst.budget == 8 and burst.load is not None and 5.5 < burst.load < 6.5
+    assert burst.burst == int(burst.load + (n_goal - burst.load) / BURST_SHARE) - 8 >= 2
+    assert burst.burst + burst.budget + burst.overdraft <= int((0.05 - 0.012) / 0.0034)  # never past the target's n (11)
+    # Held at the budget, then past it on the burst's slots for long: the average reaches the
+    # goal's n, where the replica admits its budget only.
+    sustained = feed(learner(True), [8] * 5 + [9] * 20 + [10] * 5)
+    assert sustained.load is not None and sustained.load > n_goal and sustained.burst == 0
+    off = feed(learner(False), [5, 6, 5, 6, 7, 5, 6, 8, 8])
+    assert off.burst == 0 and off.budget == 8
+    slow = learner(True)
+    slow.pace = 0.055  # the measured pace already past the target: no burst slots
+    assert feed(slow, [5, 6, 5, 6, 7, 5, 6, 8, 8]).burst == 0
+
+    # What a replica admits, in the gateway and the simulator: the budget plus the burst's slots.
+    from slogate.router.request import SLO
+    from tests.helpers import req, view
+
+    lr, v = learner(True), view(0, budget=8)
+    for i in range(8):
+        v.claim(req(i, arrival=0.0, slo=SLO.latency(1.0, 0.05), bound=200), 0.0)
+    feed(lr, [5, 6, 5, 6, 7, 5, 6])
+    assert learned_budget(lr, v, 8.0) == lr.budget + lr.burst > lr.budget

@@ -90,6 +90,11 @@ class Admission:
         self._frames: asyncio.Task[None] | None = None
         self.hooks = hooks or AdmissionHooks()
 
+    def queued(self) -> int:
+        """Requests with an SLO waiting for a slot (best effort waits by design): the demand
+        the replicas' budgets turn away now (router/capacity.py, `lend_in_bursts`)."""
+        return sum(t.req.kind is not SLOClass.BEST_EFFORT and not t.req.generated for t in self.waiting.values())
+
     def new_rid(self) -> int:
         return next(self._ids)
 

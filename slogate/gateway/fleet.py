@@ -13,6 +13,7 @@ import logging
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -108,6 +109,7 @@ class Fleet:
         self.by_rid: dict[int, Backend] = {}  # the same, and the ones that left while a request still named them
         self._rids = itertools.count()
         self.failed = asyncio.Event()  # a replica failed a check: discovery looks again at once (a pod replaced)
+        self.queued: Callable[[], int] = lambda: 0  # requests with an SLO waiting for a slot (the handler's queues)
         for b in cfg.backends:
             if not b.discovered:
                 self.add(b, checked=True)
@@ -363,18 +365,20 @@ class Fleet:
         """Each replica's budget: the learned SLO-safe concurrency (capped by the configured
         budget), less what other clients run there; none while its KV cache is full."""
         now = time.monotonic()
+        queued = self.queued() / max(1, sum(b.view.healthy for b in self.backends))
         for b in self.backends:
             v = b.view
             ext = int(b.external + 0.5)
             learned = b.cfg.budget
             if b.learner is not None:
-                learned = learned_budget(b.learner, v, now, ext)
+                learned = learned_budget(b.learner, v, now, ext, queued)
                 if log.isEnabledFor(logging.DEBUG):
                     lr = b.learner
                     g = sorted(lr.last_second)
-                    log.debug("budget %s: %d (holds %d + %d external; decode line %s, prefill %.4f s/stream, pace %s; "
+                    log.debug("budget %s: %d (holds %d + %d external, %s over ~10 s; lends %d, %d at once; decode line %s, prefill %.4f s/stream, pace %s; "
                               "last second: %d gaps, mean %s, median %s, max %s; slow start %s; bins %s)",
-                              b.name, learned, v.inflight, ext, lr.fit, lr.stall, lr.pace, len(g),
+                              b.name, learned, v.inflight, ext, lr.load and round(lr.load, 1), lr.overdraft, lr.lend_now,
+                              lr.fit, lr.stall, lr.pace, len(g),
                               *((round(sum(g) / len(g), 4), g[len(g) // 2], g[-1]) if g else (None, None, None)), lr.growing,
                               lr.bins_summary())
             self.apply_budget(b, learned)

@@ -103,6 +103,7 @@ class Gateway:
         self.metrics = Metrics()
         self.workflows = WorkflowBook(cfg.workflows)
         self.fleet = Fleet(cfg, self.metrics)
+        self.fleet.queued = lambda: sum(adm.queued() for adm in self.groups.values())
         self.backends = self.fleet.backends  # the same list: replicas join and leave in place
         self.discovery = Discovery(cfg.discovery)
         self.prefix_chars = cfg.prefix.block_chars if cfg.prefix.enabled else 0

