@@ -104,7 +104,7 @@ def test_the_learner_lends_at_once_only_far_below_the_goal() -> None:
     from slogate.router.capacity import CapacityLearner
 
     def learned(below: float, slow: float) -> CapacityLearner:
-        lr = CapacityLearner(48, start=10, lend_now_below=below)
+        lr = CapacityLearner(48, start=10, lend_now_below=below, lend_in_bursts=False)  # lending at once alone
         for n in range(4, 13):  # a decode step of 10 + 2n ms, then `slow` ms more per gap (stalls)
             for _ in range(10):
                 lr.observe(n, 0.010 + 0.002 * n + slow)
