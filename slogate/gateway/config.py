@@ -199,10 +199,11 @@ class CapacityConfig(_Strict):
     lend_now_below: float = Field(LearnerKnobs.lend_now_below, ge=0, le=1, description="While a replica's measured pace stays below this share of the TBT target, "
                                   "any latency request may take a lent slot at once, not only one whose first token is due within "
                                   "`overdraft_within_s` (0: off).")
-    lend_in_bursts: bool = Field(LearnerKnobs.lend_in_bursts, description="Tell a burst from overload by each replica's load (what it holds "
-                                 "plus its share of the requests with an SLO waiting) averaged over ~10 s: a replica admits requests beyond its budget while one admitted now, seeing the excess over "
-                                 "that average fade as the others finish, still keeps the pace goal (`margin`), up to where the "
-                                 "learned line puts the pace at the TBT target itself.")
+    lend_in_bursts: bool = Field(LearnerKnobs.lend_in_bursts, description="Tell a burst from overload by each replica's load (what it "
+                                 "holds plus its share of the requests with an SLO waiting) averaged over ~10 s: a replica admits "
+                                 "requests beyond its budget while one admitted now, seeing the excess over that average fade as "
+                                 "the others finish, still keeps the pace goal (`margin`), up to where the learned line puts the "
+                                 "pace at the TBT target itself.")
     lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "

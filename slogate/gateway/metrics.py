@@ -30,7 +30,7 @@ class Metrics:
         self.inflight = Gauge("slogate_replica_inflight", "Requests in flight per replica", ["backend"], registry=r)
         self.healthy = Gauge("slogate_replica_healthy", "1 if the replica passes health checks", ["backend"], registry=r)
         self.budget = Gauge("slogate_replica_budget", "Concurrency budget per replica: learned SLO-safe concurrency, capped by the "
-                            "configured budget, less other clients' load", ["backend"], registry=r)
+                            "configured budget, plus the slots a burst may take, less other clients' load", ["backend"], registry=r)
         self.overdraft = Gauge("slogate_replica_overdraft", "Slots above the budget lent now to latency requests that would lose "
                                "their first token waiting (while the replica runs faster than its aim)", ["backend"], registry=r)
         self.external = Gauge("slogate_replica_external_load", "Requests the engine reports beyond the gateways' own (vLLM /metrics)",

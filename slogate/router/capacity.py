@@ -99,16 +99,15 @@ class CapacityLearner:
     # Lend in bursts: a full replica whose load averaged over ~10 s (what it held, lent slots
     # included, plus its share of the requests waiting for a slot: at the onset of overload the
     # queue grows while what the replica holds cannot) is below the line's n at the goal is in a
-    # Poisson burst, not in overload. A stream
-    # admitted now sees the excess over that average shrink as the others finish (over a life as
-    # long as theirs, BURST_SHARE of it on average), so the replica admits any request beyond its
-    # budget while a + (b + s)·(load + BURST_SHARE·(n − load)) stays below the goal, never past the line's
-    # n at the target itself, while the measured pace is below the target. Sustained demand lifts
-    # the average to the goal's n, where nothing more is lent. (At the knee on real vLLM the
-    # replicas held 6–7 on average under a budget of 8, and arrivals queued in bursts past a 1 s
-    # TTFT that a round robin met: docs/benchmarks.md, sittings AO–AP. On, it was ahead of off in 8
-    # of 9 paired runs by the mean-TPOT rule and 7 of 9 by the timeline rule, with half the wrong
-    # refusals: sitting AS.)
+    # Poisson burst, not in overload. A stream admitted now sees the excess over that average
+    # shrink as the others finish (over a life as long as theirs, BURST_SHARE of it on average), so
+    # the replica admits any request beyond its budget while a + (b + s)·(load + BURST_SHARE·(n −
+    # load)) stays below the goal, never past the line's n at the target itself, and only while the
+    # measured pace is below the target. Sustained demand lifts the average to the goal's n, where
+    # nothing more is admitted. (At the knee on real vLLM the replicas held 6–7 on average under a
+    # budget of 8, and arrivals queued in bursts past a 1 s TTFT that a round robin met:
+    # docs/benchmarks.md, sittings AO–AP. On, it was ahead of off in 8 of 9 paired runs by the
+    # mean-TPOT rule and 7 of 9 by the timeline rule, with half the wrong refusals: sitting AS.)
     lend_in_bursts: bool = True
     burst: int = 0  # slots above the budget that any request may take now (a burst, not overload)
     load_weight: float = 0.1  # weight of the newest second in `load` (~10 s)
