@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from slogate.gateway.errors import APIError
 from slogate.predictors.features import PromptInput
 from slogate.predictors.online import OnlineLengthPredictor, Track
+from slogate.router.capacity import waiting_demand
 from slogate.router.lifecycle import Lifecycle
 from slogate.router.request import Request, SLOClass
 from slogate.router.scheduler import Scheduler
@@ -91,9 +92,8 @@ class Admission:
         self.hooks = hooks or AdmissionHooks()
 
     def queued(self) -> int:
-        """Requests with an SLO waiting for a slot (best effort waits by design): the demand
-        the replicas' budgets turn away now (router/capacity.py, `lend_in_bursts`)."""
-        return sum(t.req.kind is not SLOClass.BEST_EFFORT and not t.req.generated for t in self.waiting.values())
+        """The demand the replicas' budgets turn away now (router/capacity.py, `lend_in_bursts`)."""
+        return waiting_demand(t.req for t in self.waiting.values())
 
     def new_rid(self) -> int:
         return next(self._ids)

@@ -325,9 +325,14 @@ class CapacityLearner:
         `goal`, within the floor and the cap; the cap where there is no line."""
         if self.fit is None:
             return self.cap
-        a, b = self.fit
-        by_fit = int((goal - a) / (b + self.stall)) if goal > a else 1
+        by_fit = int(self._n_at(goal)) if goal > self.fit[0] else 1
         return max(self._least, min(by_fit, self.cap))
+
+    def _n_at(self, pace: float) -> float:
+        """The n where the line, prefills priced in, puts the mean gap at `pace` (needs a line)."""
+        assert self.fit is not None
+        a, b = self.fit
+        return (pace - a) / (b + self.stall)
 
     def _overdraft(self, target_s: float, lend_goal: float, inflight: int) -> int:
         """Slots above the budget for first tokens that would be lost waiting: as many more streams
@@ -342,17 +347,15 @@ class CapacityLearner:
     def _burst_n(self, goal: float) -> int:
         """The most streams a burst may take the replica to: a stream admitted now sees, over
         its life, the average load plus BURST_SHARE of the excess, and that pace stays below `goal`."""
-        assert self.fit is not None and self.load is not None
-        a, b = self.fit
-        n_goal = (goal - a) / (b + self.stall)
+        assert self.load is not None
+        n_goal = self._n_at(goal)
         return int(self.load + (n_goal - self.load) / BURST_SHARE) if n_goal > self.load else 0
 
     def _ceiling(self, target_s: float) -> int:
         """The most streams lent slots may take a replica to: where the line, prefills priced in,
         puts the pace at the target itself (needs a line)."""
         assert self.fit is not None
-        a, b = self.fit
-        return min(int((target_s - a) / (b + self.stall)) if target_s > a else 0, self.cap)
+        return min(int(self._n_at(target_s)) if target_s > self.fit[0] else 0, self.cap)
 
 
 @dataclass(frozen=True)
@@ -378,6 +381,13 @@ class LearnerKnobs:
         return CapacityLearner(cap, start=start, slow_start=self.slow_start and slow_start, initial=self.slow_start_budget,
                                margin=self.margin, on_stalls=self.on_stalls, overdraft_on=self.overdraft,
                                lend_to=self.lend_to, lend_now_below=self.lend_now_below, lend_in_bursts=self.lend_in_bursts)
+
+
+def waiting_demand(waiting: Iterable[Request]) -> int:
+    """The waiting requests that count as demand on the replicas (`queued` in `learned_budget`):
+    those with an SLO (best effort waits by design) that have not started (a paused answer is
+    owed the slot it left). The gateway and the simulator count the same ones."""
+    return sum(r.kind is not SLOClass.BEST_EFFORT and not r.generated for r in waiting)
 
 
 def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0, queued: float = 0.0) -> int:

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from slogate.predictors.length import LengthEstimator
 from slogate.predictors.pattern_graph import PatternStore, StageNode
-from slogate.router.capacity import LearnerKnobs, learned_budget
+from slogate.router.capacity import LearnerKnobs, learned_budget, waiting_demand
 from slogate.router.goodput import GoodputAccount, RequestLedger, WorkflowLedger
 from slogate.router.latency import BatchLatencyModel, LatencyCoeffs
 from slogate.router.lifecycle import Lifecycle, call_goodput
 from slogate.router.prefix import PrefixCache
-from slogate.router.request import SLO, Request, SLOClass, Tier, Workflow
+from slogate.router.request import SLO, Request, Tier, Workflow
 from slogate.router.scheduler import Scheduler
 from slogate.router.view import ReplicaView
 from slogate.sim.engine import EngineSim, Seq
@@ -296,7 +296,7 @@ class ClusterSim:
         assert self.learners is not None
         now = self.now
         total = 0
-        queued = sum(r.kind is not SLOClass.BEST_EFFORT and not r.generated for r in self.waiting.values()) / len(self.views)
+        queued = waiting_demand(self.waiting.values()) / len(self.views)
         for v, lr in zip(self.views, self.learners, strict=True):
             v.budget = max(1, learned_budget(lr, v, now, queued=queued))
             v.overdraft, v.lend_now = lr.overdraft, lr.lend_now
