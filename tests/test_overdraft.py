@@ -161,3 +161,75 @@ def test_the_learner_lends_in_a_burst_but_not_under_sustained_load() -> None:
         v.claim(req(i, arrival=0.0, slo=SLO.latency(1.0, 0.05), bound=200), 0.0)
     feed(lr, [5, 6, 5, 6, 7, 5, 6])
     assert learned_budget(lr, v, 8.0) == lr.budget + lr.burst > lr.budget
+
+
+def test_the_margin_moves_by_the_mean_tpot_of_the_streams_a_replica_finished() -> None:
+    """`margin_from_streams`: the streams a replica finished, judged by mean TPOT against their
+    TBT as users' tools judge them, move the margin the line is aimed at: up while the replica is
+    full and they ran well inside their TBT (the budget follows), down while about one in ten came
+    near a miss, within [margin − 0.1, 0.95]; not up while the replica is not full; off: fixed."""
+    from slogate.router.capacity import MARGIN_MOST, CapacityLearner, _Bin
+
+    def learner(on: bool = True) -> CapacityLearner:
+        lr = CapacityLearner(48, start=8, lend_in_bursts=False, overdraft_on=False, margin_from_streams=on)
+        lr.fit = (0.012, 0.0034)  # the knee's line: 12 ms + 3.4 ms a stream
+        lr.bins = {n: _Bin(weight=10.0) for n in range(4, 14)}
+        lr._line = lambda: lr.fit  # type: ignore[method-assign]
+        return lr
+
+    def feed(lr: CapacityLearner, ratio: float, seconds: int, full: bool = True) -> CapacityLearner:
+        for t in range(seconds):
+            for _ in range(2):
+                lr.judge(ratio)
+            lr.update(float(t + 1), 0.05, inflight=lr.budget if full else 3)
+        return lr
+
+    fixed = feed(learner(False), 0.7, 30)
+    assert fixed.budget == 8 and (fixed.margin_now or fixed.margin) == 0.85  # (0.0425 − 0.012) / 0.0034 = 8.97
+    fast = feed(learner(), 0.7, 30)
+    assert fast.margin_now == MARGIN_MOST  # 0.85 → 0.95 in steps of 0.01 a second
+    assert fast.budget == int((MARGIN_MOST * 0.05 - 0.012) / 0.0034) == 10
+    idle = feed(learner(), 0.7, 30, full=False)
+    assert idle.margin_now == 0.85 and idle.budget == 8  # streams on a replica not full say nothing of its budget
+    near = feed(learner(), 0.99, 30)
+    assert near.margin_now is not None and abs(near.margin_now - 0.75) < 1e-9  # down two steps a second, to margin − 0.1
+    assert near.budget == int((0.75 * 0.05 - 0.012) / 0.0034) == 7
+    few = learner()
+    few.judge(0.5)
+    feed(few, 0.5, 1)  # 3 streams judged: not enough to move anything
+    assert few.margin_now == 0.85
+
+
+def test_a_finished_stream_is_judged_by_its_mean_tpot_and_the_learner_hears_of_it() -> None:
+    """Lifecycle.finished hands the replica's learner each latency stream's mean TPOT / TBT
+    (via the view, in the gateway and the simulator alike); streams that say nothing of the
+    engine's pace are left out."""
+    from slogate.router.capacity import CapacityLearner, learned_budget, stream_pace
+    from slogate.router.lifecycle import Lifecycle
+    from slogate.router.policies.fcfs import FCFS
+
+    v = view(0, budget=8)
+    life = Lifecycle(FCFS(), [v])
+
+    def stream(rid: int, n: int, gap: float, slo: SLO) -> object:
+        r = req(rid, arrival=0.0, slo=slo, bound=n)
+        v.claim(r, 0.0)
+        r.replica = 0
+        life.tokens(r, 1, 0.3)
+        for k in range(1, n):
+            life.tokens(r, 1, 0.3 + k * gap)
+        return r
+
+    good = stream(1, 41, 0.030, SLO.latency(1.0, 0.05))
+    assert stream_pace(good) is not None and abs(stream_pace(good) - 0.6) < 1e-9  # 30 ms a token against 50
+    short = stream(2, 5, 0.030, SLO.latency(1.0, 0.05))
+    batch = stream(3, 41, 0.030, SLO.deadline(20.0))
+    resumed = stream(4, 41, 0.030, SLO.latency(1.0, 0.05))
+    resumed.preemptions = 1
+    assert stream_pace(short) is None and stream_pace(batch) is None and stream_pace(resumed) is None
+    for r in (good, short, batch, resumed):
+        life.finished(r, 2.0, 0.0)
+    assert list(v.finished_paces) == [stream_pace(good)]
+    lr = CapacityLearner(48, start=8)
+    learned_budget(lr, v, 3.0)
+    assert list(lr.judged) == [stream_pace(good)] and not v.finished_paces

@@ -33,6 +33,8 @@ class Metrics:
                             "configured budget, plus the slots a burst may take, less other clients' load", ["backend"], registry=r)
         self.overdraft = Gauge("slogate_replica_overdraft", "Slots above the budget lent now to latency requests that would lose "
                                "their first token waiting (while the replica runs faster than its aim)", ["backend"], registry=r)
+        self.margin = Gauge("slogate_replica_margin", "Share of the TBT target the replica's budget aims its pace at now, moved by "
+                            "the mean TPOT of the streams it finished (capacity.margin_from_streams)", ["backend"], registry=r)
         self.external = Gauge("slogate_replica_external_load", "Requests the engine reports beyond the gateways' own (vLLM /metrics)",
                               ["backend"], registry=r)
         self.pred_bounds = Counter("slogate_predictor_bounds_total", "First length bounds judged at completion", ["model"], registry=r)
@@ -73,7 +75,7 @@ class Metrics:
             self.reloads.labels(result)
         self.decision = Histogram("slogate_decision_seconds", "One scheduling decision (predict + order + place)", buckets=_OVH, registry=r)
 
-    BY_BACKEND = ("retries", "inflight", "healthy", "budget", "overdraft", "external", "prompt_tokens", "prefix_cached", "resumes", "preemptions")
+    BY_BACKEND = ("retries", "inflight", "healthy", "budget", "overdraft", "margin", "external", "prompt_tokens", "prefix_cached", "resumes", "preemptions")
 
     def forget(self, backend: str) -> None:
         """A replica left: its series go (a scaled-down fleet leaves no stale gauges behind)."""

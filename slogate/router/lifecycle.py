@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from slogate.router.capacity import stream_pace
 from slogate.router.goodput import RequestLedger
 from slogate.router.policies.base import OrderingPolicy
 from slogate.router.request import Request, SLOClass
@@ -71,7 +72,10 @@ class Lifecycle:
     def finished(self, req: Request, now: float, goodput: float) -> None:
         """`req` left its replica (completed, failed or cancelled) worth `goodput`."""
         if req.replica is not None:
-            self.by_rid[req.replica].release(req, now)
+            view = self.by_rid[req.replica]
+            view.release(req, now)
+            if (pace := stream_pace(req)) is not None:
+                view.finished_paces.append(pace)
         self.ordering.on_finish(req, now, goodput)
 
     def preempted(self, req: Request, now: float) -> None:

@@ -8,6 +8,7 @@ concurrency budget. Drivers mutate it through `claim` / `first_token` / `release
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,9 @@ class ReplicaView:
     solo: set[int] = field(default_factory=set)  # dispatched to an empty prefill queue: their TTFT times a prefill
     cache: PrefixCache | None = None  # where this replica's prefix cache is (None: not tracked)
     kv_block: int = 0  # the engine's KV block in tokens where known: it caches whole blocks only
+    # Mean TPOT / TBT of the streams finished here since the learner last looked (capacity.py);
+    # bounded, since nothing drains it where budgets are not learned.
+    finished_paces: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
     @property
     def inflight(self) -> int:
