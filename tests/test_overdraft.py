@@ -211,13 +211,13 @@ def test_a_finished_stream_is_judged_by_its_mean_tpot_and_the_learner_hears_of_i
     v = view(0, budget=8)
     life = Lifecycle(FCFS(), [v])
 
-    def stream(rid: int, n: int, gap: float, slo: SLO) -> object:
+    def stream(rid: int, n: int, gap: float, slo: SLO, stall: float = 0.0, first: float = 0.3) -> object:
         r = req(rid, arrival=0.0, slo=slo, bound=n)
         v.claim(r, 0.0)
         r.replica = 0
-        life.tokens(r, 1, 0.3)
+        life.tokens(r, 1, first)
         for k in range(1, n):
-            life.tokens(r, 1, 0.3 + k * gap)
+            life.tokens(r, 1, first + k * gap + (stall if k >= 2 else 0.0))  # `stall` before the third token
         return r
 
     good = stream(1, 41, 0.030, SLO.latency(1.0, 0.05))
@@ -227,9 +227,17 @@ def test_a_finished_stream_is_judged_by_its_mean_tpot_and_the_learner_hears_of_i
     resumed = stream(4, 41, 0.030, SLO.latency(1.0, 0.05))
     resumed.preemptions = 1
     assert stream_pace(short) is None and stream_pace(batch) is None and stream_pace(resumed) is None
-    for r in (good, short, batch, resumed):
+    # A stall of 0.8 s before the third token: due by 1 + 2 × 0.05 s, it comes at 1.16 s. Its
+    # mean TPOT (43.6 ms) meets the TBT; the per-token timeline does not: judged a miss (1).
+    stalled = stream(5, 60, 0.030, SLO.latency(1.0, 0.05), stall=0.8)
+    assert stalled.late_after_first and stream_pace(stalled) == 1.0
+    # The same stall with a first token already late: the timeline was lost before the replica's
+    # pace had a say, so only the mean TPOT counts.
+    started_late = stream(6, 60, 0.030, SLO.latency(1.0, 0.05), stall=0.8, first=1.2)
+    assert stream_pace(started_late) is not None and stream_pace(started_late) < 1.0
+    for r in (good, short, batch, resumed, stalled):
         life.finished(r, 2.0, 0.0)
-    assert list(v.finished_paces) == [stream_pace(good)]
+    assert list(v.finished_paces) == [stream_pace(good), 1.0]
     lr = CapacityLearner(48, start=8)
     learned_budget(lr, v, 3.0)
-    assert list(lr.judged) == [stream_pace(good)] and not v.finished_paces
+    assert list(lr.judged) == [stream_pace(good), 1.0] and not v.finished_paces

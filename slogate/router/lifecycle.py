@@ -54,6 +54,9 @@ class Lifecycle:
         else:
             gap = (now - req.last_token_at) / n  # type: ignore[operator]
             view.token(n)
+            slo = req.slo
+            if slo.tbt_s and slo.ttft_s is not None and now > req.arrival + slo.ttft_s + req.generated * slo.tbt_s:
+                req.late_after_first = True  # the chunk's first token (index `generated`) is the tightest of it
         req.generated += n
         req.last_token_at = now
         req.len_bound = max(req.len_bound - n, 1.0)

@@ -116,6 +116,9 @@ class Request:
     # The replica it last left mid-answer (preempted): that engine cached its prompt and answer
     # blocks as it computed them, so a resume there re-prefills little (vLLM, measured).
     ran_on: int | None = None
+    # A token after its first was later than arrival + TTFT + k·TBT (the per-token timeline), its
+    # first being on time (router/lifecycle.py): the learner counts the stream as near a miss.
+    late_after_first: bool = False
     preemptions: int = 0
     preemptible: bool = True  # the driver can stop it and continue it later (live: a resumable stream past its first token)
     # Someone chose its TBT (live: the request, its key, tier or model; not the built-in default).
