@@ -34,6 +34,7 @@ import contextlib
 import csv
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -594,7 +595,7 @@ def report(path: Path) -> str:
     med = statistics.median
 
     def m(rs: list[dict], k: str) -> float:
-        return med(r.get(k, 0) for r in rs)
+        return med(r.get(k, 0) for r in rs) if rs else math.nan  # an interrupted sitting lacks some runs
 
     out = ["Medians over repeats. Goodput: output tokens/s of requests that met their SLO (attainment: share of requests sent).", "",
            "| rate | ideal | " + " | ".join(f"{s}: tpot rule / timeline rule" for s in systems) + " |",

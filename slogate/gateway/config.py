@@ -204,10 +204,11 @@ class CapacityConfig(_Strict):
                                  "requests beyond its budget while one admitted now, seeing the excess over that average fade as "
                                  "the others finish, still keeps the pace goal (`margin`), up to where the learned line puts the "
                                  "pace at the TBT target itself.")
-    margin_from_streams: bool = Field(LearnerKnobs.margin_from_streams, description="Move each replica's margin (within `margin` − 0.1 and "
+    margin_from_streams: bool = Field(LearnerKnobs.margin_from_streams, description="Move each replica's margin (between `margin` and "
                                       "0.95) by the streams it finished, judged as guidellm and `vllm bench serve` judge them: up while "
-                                      "the replica is full and the 90th percentile of their mean TPOT is below 0.9 × their TBT, down "
-                                      "while it is above 0.97 × (false: the margin stays `margin`).")
+                                      "the replica is full and the 90th percentile of their mean TPOT is below 0.9 × their TBT (a token "
+                                      "that broke the per-token timeline counts as 1 ×), down while it is above 0.97 × (false: the "
+                                      "margin stays `margin`).")
     lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "
