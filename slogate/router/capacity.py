@@ -127,9 +127,12 @@ class CapacityLearner:
     # watches exactly that over the streams the replica finished (and the stricter per-token
     # timeline: `stream_pace`), and moves the margin it aims the line at: up a step a second while
     # the replica is full and their 90th percentile is below AIM_LOW of the TBT, down two (not
-    # below `margin`) while it is above AIM_HIGH. (Judged by mean TPOT alone it gave up the timeline rule past the knee:
-    # 112 against 200 tok/s, TPOT alike; docs/benchmarks.md, sitting AU.)
-    margin_from_streams: bool = True
+    # below `margin`) while it is above AIM_HIGH. (Judged by mean TPOT alone it gave up the
+    # timeline rule past the knee: 112 against 200 tok/s, TPOT alike; docs/benchmarks.md, sitting AU.)
+    # Off by default: on real vLLM it gained at the knee (≥ the fixed margin in 6 of 6 pairs at
+    # 1 req/s, +9–16% in two) and lost past it (behind in 5 of 6 at 1.5 req/s by the timeline rule,
+    # −68 tok/s over the six): docs/benchmarks.md, sittings AV and AW.
+    margin_from_streams: bool = False
     margin_now: float | None = None  # the margin aimed at now (None: `margin`)
     judged: deque[float] = field(default_factory=lambda: deque(maxlen=JUDGED))  # finished streams' mean TPOT / TBT
     burst: int = 0  # slots above the budget that any request may take now (a burst, not overload)
