@@ -167,7 +167,8 @@ def test_the_margin_moves_by_the_mean_tpot_of_the_streams_a_replica_finished() -
     """`margin_from_streams`: the streams a replica finished, judged by mean TPOT against their
     TBT as users' tools judge them, move the margin the line is aimed at: up while the replica is
     full and they ran well inside their TBT (the budget follows), down while about one in ten came
-    near a miss, within [margin, 0.95]; not up while the replica is not full; off: fixed."""
+    near a miss, within [margin, 0.95]; not up while the replica is not full or in overload (its
+    load over ~10 s past the goal's n); off: fixed."""
     from slogate.router.capacity import MARGIN_MOST, CapacityLearner, _Bin
 
     def learner(on: bool = True) -> CapacityLearner:
@@ -177,11 +178,11 @@ def test_the_margin_moves_by_the_mean_tpot_of_the_streams_a_replica_finished() -
         lr._line = lambda: lr.fit  # type: ignore[method-assign]
         return lr
 
-    def feed(lr: CapacityLearner, ratio: float, seconds: int, full: bool = True) -> CapacityLearner:
+    def feed(lr: CapacityLearner, ratio: float, seconds: int, full: bool = True, queued: float = 0.0) -> CapacityLearner:
         for t in range(seconds):
             for _ in range(2):
                 lr.judge(ratio)
-            lr.update(float(t + 1), 0.05, inflight=lr.budget if full else 3)
+            lr.update(float(t + 1), 0.05, inflight=lr.budget if full else 3, queued=queued)
         return lr
 
     fixed = feed(learner(False), 0.7, 30)
@@ -189,6 +190,8 @@ def test_the_margin_moves_by_the_mean_tpot_of_the_streams_a_replica_finished() -
     fast = feed(learner(), 0.7, 30)
     assert fast.margin_now == MARGIN_MOST  # 0.85 → 0.95 in steps of 0.01 a second
     assert fast.budget == int((MARGIN_MOST * 0.05 - 0.012) / 0.0034) == 10
+    overload = feed(learner(), 0.7, 30, queued=6)  # full with a queue: load 14 > the goal's n (9), overload, not a burst
+    assert overload.margin_now == 0.85 and overload.budget == 8
     idle = feed(learner(), 0.7, 30, full=False)
     assert idle.margin_now == 0.85 and idle.budget == 8  # streams on a replica not full say nothing of its budget
     near = feed(learner(), 0.99, 30)

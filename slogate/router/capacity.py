@@ -250,7 +250,7 @@ class CapacityLearner:
             if inflight >= self.budget:
                 self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
             return self.budget
-        goal = self._judge_margin(inflight) * target_s
+        goal = self._judge_margin(inflight, target_s) * target_s
         for n in list(self.bins):
             self.bins[n].weight *= 1 - self.decay
             if self.bins[n].weight < 0.5:
@@ -321,14 +321,21 @@ class CapacityLearner:
         """A stream finished here at a mean time per token of `ratio` × its TBT (`stream_pace`)."""
         self.judged.append(ratio)
 
-    def _judge_margin(self, inflight: int) -> float:
+    def _below_goal(self, goal: float) -> bool:
+        """A full replica's load over ~10 s (its queue share included) is below the line's n at
+        `goal`: a burst, not overload. Only then may the margin rise: past the knee a queue's
+        prefill stalls bring streams near a miss, and a higher margin admits more into them
+        (sittings AV–AW)."""
+        return self.fit is not None and self.load is not None and self.load < self._n_at(goal)
+
+    def _judge_margin(self, inflight: int, target_s: float) -> float:
         """The margin to aim at this update, moved by the streams finished here (see `margin_from_streams`)."""
         m = self.margin if self.margin_now is None else self.margin_now
         if self.margin_from_streams and len(self.judged) >= 10:
             p90 = quantiles(self.judged, n=10)[-1]
             if p90 > AIM_HIGH:
                 m = max(self.margin, m - 0.02)
-            elif p90 < AIM_LOW and inflight >= self.budget:  # only a full replica's streams say the budget binds too low
+            elif p90 < AIM_LOW and inflight >= self.budget and self._below_goal(m * target_s):
                 m = min(max(MARGIN_MOST, self.margin), m + 0.01)
         self.margin_now = m
         return m
