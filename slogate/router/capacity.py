@@ -131,7 +131,8 @@ class CapacityLearner:
     # timeline rule past the knee: 112 against 200 tok/s, TPOT alike; docs/benchmarks.md, sitting AU.)
     # Off by default: on real vLLM it gained at the knee (≥ the fixed margin in 6 of 6 pairs at
     # 1 req/s, +9–16% in two) and lost past it (behind in 5 of 6 at 1.5 req/s by the timeline rule,
-    # −68 tok/s over the six): docs/benchmarks.md, sittings AV and AW.
+    # −68 tok/s over the six): docs/benchmarks.md, sittings AV and AW. Rising only in a burst
+    # (`_below_goal`) it tied the fixed margin (sitting AX).
     margin_from_streams: bool = False
     margin_now: float | None = None  # the margin aimed at now (None: `margin`)
     judged: deque[float] = field(default_factory=lambda: deque(maxlen=JUDGED))  # finished streams' mean TPOT / TBT
