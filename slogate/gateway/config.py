@@ -206,10 +206,10 @@ class CapacityConfig(_Strict):
                                  "pace at the TBT target itself.")
     margin_from_streams: bool = Field(LearnerKnobs.margin_from_streams, description="Move each replica's margin (between `margin` and "
                                       "0.95) by the streams it finished, judged as guidellm and `vllm bench serve` judge them: up while "
-                                      "the replica is full and the 90th percentile of their mean TPOT is below 0.9 × their TBT (a token "
-                                      "that broke the per-token timeline counts as 1 ×), down while it is above 0.97 × (false: the "
-                                      "margin stays `margin`). Off by default: ahead of the fixed margin at the knee on real vLLM, behind past it "
-                                      "(docs/benchmarks.md, sittings AV–AW).")
+                                      "the replica is full in a burst (its load over ~10 s below the goal's n) and the 90th percentile "
+                                      "of their mean TPOT is below 0.9 × their TBT (a token that broke the per-token timeline counts "
+                                      "as 1 ×), down while it is above 0.97 × (false: the margin stays `margin`). Off by default: on "
+                                      "real vLLM it tied the fixed margin (docs/benchmarks.md, sittings AV–AX).")
     lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "
