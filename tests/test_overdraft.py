@@ -186,7 +186,7 @@ def test_the_margin_moves_by_the_mean_tpot_of_the_streams_a_replica_finished() -
         return lr
 
     fixed = feed(learner(False), 0.7, 30)
-    assert fixed.budget == 8 and (fixed.margin_now or fixed.margin) == 0.85  # (0.0425 − 0.012) / 0.0034 = 8.97
+    assert fixed.budget == 8 and fixed.margin_now == 0.85  # (0.0425 − 0.012) / 0.0034 = 8.97
     fast = feed(learner(), 0.7, 30)
     assert fast.margin_now == MARGIN_MOST  # 0.85 → 0.95 in steps of 0.01 a second
     assert fast.budget == int((MARGIN_MOST * 0.05 - 0.012) / 0.0034) == 10

@@ -372,7 +372,7 @@ class Fleet:
             learned = b.cfg.budget
             if b.learner is not None:
                 learned = learned_budget(b.learner, v, now, ext, queued)
-                self.metrics.margin.labels(b.name).set(b.learner.margin_now or b.learner.margin)
+                self.metrics.margin.labels(b.name).set(b.learner.margin_now)
                 if log.isEnabledFor(logging.DEBUG):
                     lr = b.learner
                     g = sorted(lr.last_second)

@@ -134,7 +134,7 @@ class CapacityLearner:
     # −68 tok/s over the six): docs/benchmarks.md, sittings AV and AW. Rising only in a burst
     # (`_below_goal`) it tied the fixed margin (sitting AX).
     margin_from_streams: bool = False
-    margin_now: float | None = None  # the margin aimed at now (None: `margin`)
+    margin_now: float = 0.0  # the margin aimed at now (starts at `margin`: __post_init__)
     judged: deque[float] = field(default_factory=lambda: deque(maxlen=JUDGED))  # finished streams' mean TPOT / TBT
     burst: int = 0  # slots above the budget that any request may take now (a burst, not overload)
     load_weight: float = 0.1  # weight of the newest second in `load` (~10 s)
@@ -179,6 +179,7 @@ class CapacityLearner:
     def __post_init__(self) -> None:
         first = self.start if self.start is not None else self.initial if self.slow_start else self.cap
         self.budget = max(1, min(first, self.cap))
+        self.margin_now = self.margin
         self._growing = self.slow_start and self.start is None and self.budget < self.cap  # until the first cut
 
     def observe(self, n: int, gap_s: float) -> None:
@@ -331,7 +332,7 @@ class CapacityLearner:
 
     def _judge_margin(self, inflight: int, target_s: float) -> float:
         """The margin to aim at this update, moved by the streams finished here (see `margin_from_streams`)."""
-        m = self.margin if self.margin_now is None else self.margin_now
+        m = self.margin_now
         if self.margin_from_streams and len(self.judged) >= 10:
             p90 = quantiles(self.judged, n=10)[-1]
             if p90 > AIM_HIGH:
@@ -365,7 +366,7 @@ class CapacityLearner:
         if not self._growing or target_s is None or inflight < self.budget or now - self._grown_at < self.grow_every_s:
             return
         fresh = self.recent[self._fresh:]
-        goal = (self.margin if self.margin_now is None else self.margin_now) * target_s
+        goal = self.margin_now * target_s
         if len(fresh) < 10 or sum(fresh) / len(fresh) >= goal:
             return
         self.budget = max(self.budget, min(self._limit(goal), 2 * self.budget))
