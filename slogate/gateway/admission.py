@@ -266,9 +266,11 @@ class Admission:
             elif now > t.wait_until and t.req.kind is not SLOClass.BEST_EFFORT and not t.req.generated:
                 self._refuse(t, "waiting_time_exceeded")
         # `room` counts the overdraft: a first token that cannot wait may still go (scheduler.py).
-        # With every replica full, only a frame's decision can preempt (as in the simulator), and
-        # only when some running stream could be preempted: otherwise nothing can change.
-        if self.waiting and (any(v.room for v in self.views) or (frame and any(t.preempt for t in self.running.values()))):
+        # With every replica full, only a frame's decision can preempt (as in the simulator) or
+        # place a first token where the running streams absorb it, and only when one of those is
+        # on: otherwise nothing can change.
+        full_frame = frame and (self.scheduler.absorb or any(t.preempt for t in self.running.values()))
+        if self.waiting and (any(v.room for v in self.views) or full_frame):
             d = self.scheduler.schedule(now, [t.req for t in self.waiting.values()], self.views)
             for req, reason in d.shed:  # never one its client is reading (the scheduler's rule)
                 t = self.waiting.get(req.rid)

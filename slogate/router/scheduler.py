@@ -10,7 +10,7 @@ from slogate.router.placement.base import PlacementPolicy
 from slogate.router.policies.base import OrderingPolicy
 from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
 from slogate.router.request import RESUME_WITHIN_S, Request, SLOClass
-from slogate.router.view import ReplicaView
+from slogate.router.view import ReplicaView, fleet_stream_cost
 
 
 @dataclass(slots=True)
@@ -25,10 +25,11 @@ class Scheduler:
     returns the decisions; the driver carries them out."""
 
     def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy, at_risk_s: float = AT_RISK_S,
-                 resume_within_s: float = RESUME_WITHIN_S) -> None:
+                 resume_within_s: float = RESUME_WITHIN_S, absorb: bool = False) -> None:
         self.ordering = ordering
         self.placement = placement
         self.at_risk_s = at_risk_s  # a first token due within this (beyond its prefill) may take an overdraft slot
+        self.absorb = absorb  # then, one still waiting goes where the streams running can absorb it (ReplicaView.absorbs)
         # A paused answer's reader is mid-answer: after this long it takes the next free slot
         # before anything else, wherever that is (no ordering's priority or cached holder keeps it).
         self.resume_within_s = placement.resume_within_s = resume_within_s
@@ -85,9 +86,14 @@ class Scheduler:
                 break
             sel = self.ordering.select(now, rest, slots, replicas)
             late += [r for r, _ in sel.shed if r.generated and r not in late]
-        if any(p.overdraft for p in replicas):
+        if any(p.overdraft for p in replicas) or self.absorb:
             gone = taken | {r.rid for r, _ in out.shed} | {r.rid for r in late}
-            out.dispatch += self.overdraw(now, [r for r in waiting if r.rid not in gone], replicas)
+            rest = [r for r in waiting if r.rid not in gone]
+            if any(p.overdraft for p in replicas):
+                out.dispatch += self.overdraw(now, rest, replicas)
+            if self.absorb:
+                placed = {r.rid for r, _ in out.dispatch}
+                out.dispatch += self.absorbed(now, [r for r in rest if r.rid not in placed], replicas)
         out.dispatch += self._place_in_order(now, late, replicas)
         return out
 
@@ -131,6 +137,32 @@ class Scheduler:
         out = self._lend(now, [r for s, _, r in by_spare if s <= self.at_risk_s], replicas, [p.overdraft for p in replicas])
         if any(p.lend_now for p in pool):
             out += self._lend(now, [r for s, _, r in by_spare if s > self.at_risk_s], replicas, [p.lend_now for p in replicas])
+        return out
+
+    def absorbed(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> list[tuple[Request, int]]:
+        """Latency requests that would lose their first token waiting for a slot, with no slot
+        lent anywhere: each goes, most urgent first, to the replica where its first token comes
+        soonest among those whose running streams can absorb it (`ReplicaView.absorbs`) and
+        where it is still on time. A refusal loses the request for certain; this admits it only
+        where no stream on time now is put late by it."""
+        pool = [p for p in replicas if p.healthy and p.role != "decode" and p.decoding]
+        if not pool:
+            return []
+        cost = fleet_stream_cost(replicas)
+        at_risk = []
+        for r in waiting:
+            if r.kind is SLOClass.LATENCY and not r.generated and r.slo.ttft_s is not None:
+                first = min(p.first_token_at(now, r) for p in pool)
+                if first <= r.ttft_deadline and r.ttft_deadline - first <= self.at_risk_s:
+                    at_risk.append((r.ttft_deadline - first, r.rid, r))
+        out: list[tuple[Request, int]] = []
+        for _, _, req in sorted(at_risk):
+            fits = [(p.first_token_at(now, req), p.inflight, p.rid, p) for p in pool if p.absorbs(now, req, cost)]
+            fits = [f for f in fits if f[0] <= req.ttft_deadline]
+            if fits:
+                target = min(fits)[3]
+                target.claim(req, now)
+                out.append((req, target.rid))
         return out
 
     def _lend(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView], lent: Sequence[int]) -> list[tuple[Request, int]]:

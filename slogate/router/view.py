@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from slogate.router.latency import BatchLatencyModel
 from slogate.router.prefix import PrefixCache, hit_tokens
-from slogate.router.request import Request
+from slogate.router.request import Request, SLOClass
 
 
 @dataclass(slots=True, eq=False)
@@ -188,6 +188,48 @@ class ReplicaView:
         req's answer would be done, less what any replica costs."""
         c = self.model.b_d if cost is None else cost
         return c * self.overlap(req) * max(req.remaining_bound, 1.0)
+
+    def absorbs(self, now: float, req: Request, cost: float | None = None) -> bool:
+        """Whether `req`, a first token that would otherwise be lost waiting for a slot, may run
+        here beyond every slot the learner lends: each stream running here that is on time now
+        stays on time when it also bears `req`'s prefill (and what is queued ahead of it) and
+        `req` in its batch (`cost` s a step, the measured line; None: the replicas' pace over the
+        streams held, an upper bound), judged as users' tools judge it (mean TPOT over its answer,
+        and the per-token timeline), and `req` itself keeps its TBT at that pace. The learner's
+        budget prices an average stream; this prices the ones actually here, so a refusal is
+        weighed against what admitting costs them (docs/architecture.md, "Absorbing a first token")."""
+        tbt = req.slo.tbt_s
+        if not self.healthy or self.role == "decode" or not tbt or not self.decoding:
+            return False
+        paces = [(r.last_token_at - r.first_token_at) / (r.generated - 1) for r in self.decoding.values()
+                 if r.generated >= 2 and r.first_token_at is not None and r.last_token_at is not None]
+        if not paces:
+            return False
+        paces.sort()
+        pace = paces[len(paces) // 2]  # what a stream here gets per token now, the stalls of its arrivals included
+        b = cost if cost is not None else pace / max(self.n_decode, 1)
+        if pace + b > tbt:
+            return False
+        stall = self.prefill_backlog(now) + self.prefill_cost(req)
+        mine = max(req.remaining_bound, 1.0)
+        for r in self.decoding.values():
+            if r.first_token_at is None:
+                continue
+            left = max(r.len_mean - r.generated, 1.0)
+            slowed = stall + b * min(left, mine)
+            end = now + left * pace  # its last token, as things go now
+            if r.kind is SLOClass.LATENCY and r.slo.tbt_s:
+                allowed = r.first_token_at + (r.generated + left - 1) * r.slo.tbt_s  # mean TPOT ≤ TBT
+                last_due = r.token_deadline(int(r.generated + left) - 1)
+                nxt_due = r.token_deadline(r.generated)
+                ok_now = end <= allowed and end <= last_due and now + pace <= nxt_due
+                if ok_now and (end + slowed > allowed or end + slowed > last_due or now + pace + stall > nxt_due):
+                    return False
+            elif r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND):
+                due = r.deadline_at
+                if end <= due < end + slowed:
+                    return False
+        return True
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:
         """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
