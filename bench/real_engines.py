@@ -387,12 +387,13 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
         rt.done()
         state = rt.state
         shed: dict[str, float] = {}
-        preempted = 0.0
+        preempted = absorbed = 0.0
         if not system.startswith(("vllm-router", "passthrough")):  # why slogate refused what it refused
             text = httpx.get(f"{rt.url}/metrics", timeout=5).text
             for labels, v in samples(text, "slogate_shed_total"):
                 shed[labels["reason"]] = shed.get(labels["reason"], 0) + v
             preempted = sum(v for _, v in samples(text, "slogate_preemptions_total"))
+            absorbed = sum(v for _, v in samples(text, "slogate_absorbed_total"))
     budgets = [row[0] for row in state or ()]
     t_start = min((r["t0"] for r in res), default=0.0)
     gp, att = 0.0, 0
@@ -430,7 +431,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
             "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, "wall_s": round(rt.wall_s, 1), **rt.batches(),
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None,
-            "budget_per_second": budgets or None, "shed": shed,  # where a run's budget settles, and when (the knee's wrong refusals)
+            "budget_per_second": budgets or None, "shed": shed, "absorbed": absorbed,  # where a run's budget settles, and when (the knee's wrong refusals)
             "state_per_second": state or None,  # [budget, overdraft, in flight, queued], fleet sums
             "preempted": preempted,
             "outcomes": outcomes}
@@ -539,12 +540,13 @@ def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, t
             "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, **rt.batches()}
 
 
-def report_guidellm(rows: list[dict]) -> list[str]:
+def report_guidellm(rows: list[dict], scale: float = 1.0) -> list[str]:
+    """`scale`: the sitting's `--slo-scale` (the rule it judged by)."""
     systems = list(dict.fromkeys(r["system"] for r in rows))
     med = statistics.median
     client = rows[0].get("client", "guidellm") if rows else "guidellm"
-    rule = "ITL ≤ 50 ms" if client == "guidellm" else "TPOT ≤ 50 ms"
-    out = ["", f"{client} as the client (no SLO field; its rule: TTFT ≤ 1 s, {rule}). Medians:", "",
+    rule = f"{'ITL' if client == 'guidellm' else 'TPOT'} ≤ {50 * scale:g} ms"
+    out = ["", f"{client} as the client (no SLO field; its rule: TTFT ≤ {scale:g} s, {rule}). Medians:", "",
            "| rate | " + " | ".join(f"{s}: goodput / attainment / ITL p50, p90" for s in systems) + " |", "|---:|" + "---|" * len(systems)]
     for rate in sorted({r["rate"] for r in rows}):
         cells = []
@@ -587,8 +589,9 @@ def report(path: Path) -> str:
     d = json.loads(path.read_text())
     g_rows = [r for r in d["rows"] if r.get("client") in ("guidellm", "vllm-bench")]
     rows = [r for r in d["rows"] if r.get("client") not in ("guidellm", "vllm-bench")]
+    scale = float(d.get("config", {}).get("slo_scale", 1.0))
     if not rows:
-        return "\n".join(report_guidellm(g_rows))
+        return "\n".join(report_guidellm(g_rows, scale))
     classify_refusals(rows)
     systems = list(dict.fromkeys(r["system"] for r in rows))
     rates = sorted({r["rate"] for r in rows})
@@ -626,7 +629,7 @@ def report(path: Path) -> str:
         out += ["", f"Refusals classified against {BASELINE} on the same arrivals: {right} of {total} right "
                     f"({100 * right / total:.0f}%)." if total else f"No refusals (yardstick: {BASELINE})."]
     if g_rows:
-        out += report_guidellm(g_rows)
+        out += report_guidellm(g_rows, scale)
     return "\n".join(out)
 
 
@@ -711,7 +714,7 @@ def main() -> None:
     if a.client != "ours":
         if a.out:
             a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
-        print("\n".join(report_guidellm(rows)))
+        print("\n".join(report_guidellm(rows, a.slo_scale)))
         return
     classify_refusals(rows)
     summary = {}

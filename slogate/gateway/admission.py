@@ -68,6 +68,9 @@ class AdmissionHooks:
     def first_token(self, t: Ticket) -> None:
         """`t` got its first token: prefill is over."""
 
+    def absorbed(self, n: int) -> None:
+        """`n` first tokens were placed beyond every lent slot (`capacity.absorb`)."""
+
 
 class Admission:
     def __init__(self, scheduler: Scheduler, views: list[ReplicaView], *, hooks: AdmissionHooks | None = None, max_queue: int = 2000,
@@ -278,6 +281,8 @@ class Admission:
                     self._refuse(t, reason)
             for req, rid in d.dispatch:
                 self._dispatch(req, rid, now)
+            if d.absorbed:
+                self.hooks.absorbed(d.absorbed)
             for req in d.preempt:
                 self.preempt(req)
         self.hooks.decided(time.perf_counter() - t0)

@@ -93,6 +93,9 @@ class _Hooks(AdmissionHooks):
     def first_token(self, t: Ticket) -> None:
         self.state.first_token(t)
 
+    def absorbed(self, n: int) -> None:
+        self.metrics.absorbed.labels(self.model).inc(n)
+
 
 class Gateway:
     def __init__(self, cfg: GatewayConfig, predictor: OnlineLengthPredictor | None = None,

@@ -25,6 +25,8 @@ class Metrics:
         self.queue_wait = Histogram("slogate_queue_wait_seconds", "Time waiting in the gateway queue", L, buckets=_LAT, registry=r)
         self.queue_depth = Gauge("slogate_queue_depth", "Requests waiting in the gateway queue", ["model"], registry=r)
         self.shed = Counter("slogate_shed_total", "Requests refused by the scheduler", ["model", "reason"], registry=r)
+        self.absorbed = Counter("slogate_absorbed_total", "First tokens about to be lost placed beyond every lent slot, where the "
+                                "streams running could absorb them (capacity.absorb)", ["model"], registry=r)
         self.retries = Counter("slogate_retries_total", "Upstream attempts retried on another replica", ["backend"], registry=r)
         self.cancelled = Counter("slogate_cancelled_total", "Requests whose client disconnected", ["model"], registry=r)
         self.inflight = Gauge("slogate_replica_inflight", "Requests in flight per replica", ["backend"], registry=r)
