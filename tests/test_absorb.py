@@ -135,9 +135,9 @@ def test_the_gateway_hands_absorb_to_its_scheduler() -> None:
     model = "sim-model"
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(model)))
-        app = create_app(GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": [model]}], "capacity": {"absorb": True}}))
+        app = create_app(GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": [model]}], "capacity": {"absorb": False}}))
         gw = st.enter_context(ServerThread(app))
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
         assert c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
-        assert app.state.gateway.groups[model].scheduler.absorb is True
-    assert GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}]}).capacity.absorb is False
+        assert app.state.gateway.groups[model].scheduler.absorb is False
+    assert GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}]}).capacity.absorb is True  # the default

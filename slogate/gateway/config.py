@@ -213,7 +213,8 @@ class CapacityConfig(_Strict):
     absorb: bool = Field(LearnerKnobs.absorb, description="A latency request that would lose its first token waiting for a slot, "
                          "with no slot lent anywhere, goes beyond the budget to a replica where every stream running on time "
                          "stays on time with its prefill and its share of the batch added (mean TPOT and the per-token "
-                         "timeline, each stream's own pace so far), and where its own first token and pace keep its SLO.")
+                         "timeline, each stream's own pace so far), and where its own first token and pace keep its SLO; "
+                         "not while an answer with a deadline waits. Counted in `slogate_absorbed_total`.")
     lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "

@@ -427,7 +427,9 @@ class LearnerKnobs:
     lend_now_below: float = CapacityLearner.lend_now_below
     lend_in_bursts: bool = CapacityLearner.lend_in_bursts
     margin_from_streams: bool = CapacityLearner.margin_from_streams
-    absorb: bool = False  # the scheduler's last resort before a refusal (Scheduler.absorb, ReplicaView.absorbs)
+    # The scheduler's last resort before a refusal (Scheduler.absorb, ReplicaView.absorbs). On by
+    # default since sittings BB, BA and BC (docs/benchmarks.md, issue 16).
+    absorb: bool = True
 
     def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the
