@@ -49,6 +49,7 @@ class ReplicaView:
     # Mean TPOT / TBT of the streams finished here since the learner last looked (capacity.py);
     # bounded, since nothing drains it where budgets are not learned.
     finished_paces: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    slack_memo: tuple | None = None  # `_slack`'s answer for one decision (`absorbs` asks it per waiting request)
 
     @property
     def inflight(self) -> int:
@@ -199,37 +200,57 @@ class ReplicaView:
         budget prices an average stream; this prices the ones actually here, so a refusal is
         weighed against what admitting costs them (docs/architecture.md, "Absorbing a first token")."""
         tbt = req.slo.tbt_s
-        if not self.healthy or self.role == "decode" or not tbt or not self.decoding:
+        if not self.healthy or self.role == "decode" or not tbt:
             return False
-        paces = [(r.last_token_at - r.first_token_at) / (r.generated - 1) for r in self.decoding.values()
-                 if r.generated >= 2 and r.first_token_at is not None and r.last_token_at is not None]
-        if not paces:
+        summary = self._slack(now)
+        if summary is None:
             return False
-        paces.sort()
-        pace = paces[len(paces) // 2]  # what a stream here gets per token now, the stalls of its arrivals included
+        pace, least, streams = summary
         b = cost if cost is not None else pace / max(self.n_decode, 1)
-        if pace + b > tbt:
-            return False
         stall = self.prefill_backlog(now) + self.prefill_cost(req)
+        if pace + b > tbt or stall > least:
+            return False
         mine = max(req.remaining_bound, 1.0)
-        for r in self.decoding.values():
-            if r.first_token_at is None:
-                continue
-            left = max(r.len_mean - r.generated, 1.0)
-            slowed = stall + b * min(left, mine)
-            end = now + left * pace  # its last token, as things go now
-            if r.kind is SLOClass.LATENCY and r.slo.tbt_s:
-                allowed = r.first_token_at + (r.generated + left - 1) * r.slo.tbt_s  # mean TPOT ≤ TBT
-                last_due = r.token_deadline(int(r.generated + left) - 1)
-                nxt_due = r.token_deadline(r.generated)
-                ok_now = end <= allowed and end <= last_due and now + pace <= nxt_due
-                if ok_now and (end + slowed > allowed or end + slowed > last_due or now + pace + stall > nxt_due):
-                    return False
-            elif r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND):
-                due = r.deadline_at
-                if end <= due < end + slowed:
-                    return False
-        return True
+        return all(stall + b * min(left, mine) <= room for left, room in streams)
+
+    def _slack(self, now: float) -> tuple[float, float, list[tuple[float, float]]] | None:
+        """For `absorbs`, once per decision (`now`) and set of streams: the median pace a stream
+        here has had (its mean TPOT so far: its arrivals' prefill stalls are in it), the least time
+        any stream on time now has to spare, and each such stream's (tokens left, time to spare
+        at its end): by mean TPOT and its last token's due time, or its deadline. None: no stream
+        here has a pace to go by."""
+        key = (now, len(self.decoding), len(self.prefill_queue))
+        if self.slack_memo is not None and self.slack_memo[0] == key:
+            return self.slack_memo[1]
+        paces = sorted((r.last_token_at - r.first_token_at) / (r.generated - 1) for r in self.decoding.values()
+                       if r.generated >= 2 and r.first_token_at is not None and r.last_token_at is not None)
+        out = None
+        if paces:
+            pace = paces[len(paces) // 2]
+            least, streams = math.inf, []
+            for r in self.decoding.values():
+                if r.first_token_at is None:
+                    continue
+                left = max(r.len_mean - r.generated, 1.0)
+                end = now + left * pace  # its last token, as things go now
+                if r.kind is SLOClass.LATENCY and r.slo.tbt_s:
+                    room = min(r.first_token_at + (r.generated + left - 1) * r.slo.tbt_s,  # mean TPOT ≤ TBT
+                               r.token_deadline(int(r.generated + left) - 1)) - end  # its last token in time
+                    nxt = r.token_deadline(r.generated) - now - pace  # its next token in time
+                    if room < 0 or nxt < 0:
+                        continue  # late already: slowing it loses nothing more
+                    least = min(least, room, nxt)
+                elif r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND):
+                    room = r.deadline_at - end
+                    if room < 0:
+                        continue
+                    least = min(least, room)
+                else:
+                    continue
+                streams.append((left, room))
+            out = (pace, least, streams)
+        self.slack_memo = (key, out)
+        return out
 
     def estimate_exec(self, now: float, extra: Request | None = None) -> float:
         """GoRouting's ESTIMATEEXEC for co-location: prefill backlog + n_d·b_d (+ the new request)."""
