@@ -91,10 +91,11 @@ class Scheduler:
                 break
             sel = self.ordering.select(now, rest, slots, replicas)
             late += [r for r, _ in sel.shed if r.generated and r not in late]
-        if any(p.overdraft for p in replicas) or self.absorb:
+        lending = any(p.overdraft for p in replicas)
+        if lending or self.absorb:
             gone = taken | {r.rid for r, _ in out.shed} | {r.rid for r in late}
             rest = [r for r in waiting if r.rid not in gone]
-            if any(p.overdraft for p in replicas):
+            if lending:
                 out.dispatch += self.overdraw(now, rest, replicas)
             if self.absorb:
                 placed = {r.rid for r, _ in out.dispatch}
@@ -133,14 +134,10 @@ class Scheduler:
         that could still wait: waiting there would only start them later. A request on the built-in
         default SLO qualifies too: that default is the interactive pace users' tools judge by, and in
         simulation lending to it took guidellm's goodput at the knee from 0.98x round robin to 1.02x."""
-        def spare(r: Request) -> float:  # time to spare before its first token, on the quickest replica
-            return r.ttft_deadline - min(p.first_token_at(now, r) for p in pool)
-
         pool = [p for p in replicas if p.room > 0 and p.role != "decode"]
         if not pool:
             return []
-        lat = [r for r in waiting if r.kind is SLOClass.LATENCY and not r.generated and r.slo.ttft_s is not None]
-        by_spare = sorted((s, r.rid, r) for r in lat if (s := spare(r)) >= 0)
+        by_spare = self._by_spare(now, [r for r in waiting if _first_token_pending(r)], pool)
         out = self._lend(now, [r for s, _, r in by_spare if s <= self.at_risk_s], replicas, [p.overdraft for p in replicas])
         if any(p.lend_now for p in pool):
             out += self._lend(now, [r for s, _, r in by_spare if s > self.at_risk_s], replicas, [p.lend_now for p in replicas])
@@ -162,15 +159,9 @@ class Scheduler:
         # The first tokens due soonest only: a frame absorbs a few at most (each one spends the
         # streams' slack), and pricing every one of a long queue on every replica took 35 ms a
         # frame at 2,000 waiting (bench/absorb_cost.py).
-        due = heapq.nsmallest(ABSORB_LOOK, (r for r in waiting if r.kind is SLOClass.LATENCY and not r.generated
-                                            and r.slo.ttft_s is not None), key=lambda r: r.ttft_deadline)
-        at_risk = []
-        for r in due:
-            first = min(p.first_token_at(now, r) for p in pool)
-            if first <= r.ttft_deadline and r.ttft_deadline - first <= self.at_risk_s:
-                at_risk.append((r.ttft_deadline - first, r.rid, r))
+        due = heapq.nsmallest(ABSORB_LOOK, filter(_first_token_pending, waiting), key=lambda r: r.ttft_deadline)
         out: list[tuple[Request, int]] = []
-        for _, _, req in sorted(at_risk):
+        for _, _, req in (x for x in self._by_spare(now, due, pool) if x[0] <= self.at_risk_s):
             fits = [(p.first_token_at(now, req), p.inflight, p.rid, p) for p in pool if p.absorbs(now, req, cost)]
             fits = [f for f in fits if f[0] <= req.ttft_deadline]
             if fits:
@@ -178,6 +169,12 @@ class Scheduler:
                 target.claim(req, now)
                 out.append((req, target.rid))
         return out
+
+    @staticmethod
+    def _by_spare(now: float, reqs: Sequence[Request], pool: Sequence[ReplicaView]) -> list[tuple[float, int, Request]]:
+        """(time to spare before its first token on the quickest replica of `pool`, rid, request)
+        for those of `reqs` still in time, least to spare first."""
+        return sorted((s, r.rid, r) for r in reqs if (s := r.ttft_deadline - min(p.first_token_at(now, r) for p in pool)) >= 0)
 
     def _lend(self, now: float, reqs: Sequence[Request], replicas: Sequence[ReplicaView], lent: Sequence[int]) -> list[tuple[Request, int]]:
         out: list[tuple[Request, int]] = []
@@ -198,3 +195,9 @@ class Scheduler:
             for p, x in zip(replicas, lent, strict=True):
                 p.budget -= x
         return out
+
+
+def _first_token_pending(r: Request) -> bool:
+    """A latency request with a first token still to come (not a paused answer): what lending and
+    absorbing may place beyond a budget."""
+    return r.kind is SLOClass.LATENCY and not r.generated and r.slo.ttft_s is not None

@@ -207,7 +207,7 @@ class ReplicaView:
             return False
         pace, least, streams = summary
         b = cost if cost is not None else pace / max(self.n_decode, 1)
-        stall = self.prefill_backlog(now) + self.prefill_cost(req)
+        stall = self.first_token_at(now, req) - now  # its prefill and what is queued ahead of it
         if pace + b > tbt or stall > least:
             return False
         mine = max(req.remaining_bound, 1.0)
@@ -219,7 +219,7 @@ class ReplicaView:
         any stream on time now has to spare, and each such stream's (tokens left, time to spare
         at its end): by mean TPOT and its last token's due time, or its deadline. None: no stream
         here has a pace to go by."""
-        key = (now, len(self.decoding), len(self.prefill_queue))
+        key = (now, len(self.decoding))  # a claim in the same decision adds a prefill, not a stream: the answer holds
         if self.slack_memo is not None and self.slack_memo[0] == key:
             return self.slack_memo[1]
         paces = sorted((r.last_token_at - r.first_token_at) / (r.generated - 1) for r in self.decoding.values()
