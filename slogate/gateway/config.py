@@ -215,6 +215,9 @@ class CapacityConfig(_Strict):
                          "stays on time with its prefill and its share of the batch added (mean TPOT and the per-token "
                          "timeline, each stream's own pace so far), and where its own first token and pace keep its SLO; "
                          "not while an answer with a deadline waits. Counted in `slogate_absorbed_total`.")
+    absorb_by: Literal["timeline", "tpot"] = Field(LearnerKnobs.absorb_by, description="How `absorb` keeps the streams running on time: "
+                                                  "by mean TPOT and the per-token timeline (`timeline`), or by mean TPOT alone (`tpot`, as "
+                                                  "guidellm and `vllm bench serve` judge a stream).")
     lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "

@@ -430,6 +430,7 @@ class LearnerKnobs:
     # The scheduler's last resort before a refusal (Scheduler.absorb, ReplicaView.absorbs). On by
     # default since sittings BB, BA and BC (docs/benchmarks.md, issue 16).
     absorb: bool = True
+    absorb_by: str = "timeline"  # what keeps the streams running on time: "timeline" (and mean TPOT) or "tpot" alone
 
     def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the

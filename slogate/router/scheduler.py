@@ -30,11 +30,12 @@ class Scheduler:
     returns the decisions; the driver carries them out."""
 
     def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy, at_risk_s: float = AT_RISK_S,
-                 resume_within_s: float = RESUME_WITHIN_S, absorb: bool = False) -> None:
+                 resume_within_s: float = RESUME_WITHIN_S, absorb: bool = False, absorb_by: str = "timeline") -> None:
         self.ordering = ordering
         self.placement = placement
         self.at_risk_s = at_risk_s  # a first token due within this (beyond its prefill) may take an overdraft slot
         self.absorb = absorb  # then, one still waiting goes where the streams running can absorb it (ReplicaView.absorbs)
+        self.absorb_by = absorb_by  # the rule the streams running are kept on time by: "timeline" or "tpot"
         # A paused answer's reader is mid-answer: after this long it takes the next free slot
         # before anything else, wherever that is (no ordering's priority or cached holder keeps it).
         self.resume_within_s = placement.resume_within_s = resume_within_s
@@ -162,7 +163,7 @@ class Scheduler:
         due = heapq.nsmallest(ABSORB_LOOK, filter(_first_token_pending, waiting), key=lambda r: r.ttft_deadline)
         out: list[tuple[Request, int]] = []
         for _, _, req in (x for x in self._by_spare(now, due, pool) if x[0] <= self.at_risk_s):
-            fits = [(p.first_token_at(now, req), p.inflight, p.rid, p) for p in pool if p.absorbs(now, req, cost)]
+            fits = [(p.first_token_at(now, req), p.inflight, p.rid, p) for p in pool if p.absorbs(now, req, cost, self.absorb_by == "timeline")]
             fits = [f for f in fits if f[0] <= req.ttft_deadline]
             if fits:
                 target = min(fits)[3]

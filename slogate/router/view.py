@@ -190,7 +190,7 @@ class ReplicaView:
         c = self.model.b_d if cost is None else cost
         return c * self.overlap(req) * max(req.remaining_bound, 1.0)
 
-    def absorbs(self, now: float, req: Request, cost: float | None = None) -> bool:
+    def absorbs(self, now: float, req: Request, cost: float | None = None, timeline: bool = True) -> bool:
         """Whether `req`, a first token that would otherwise be lost waiting for a slot, may run
         here beyond every slot the learner lends: each stream running here that is on time now
         stays on time when it also bears `req`'s prefill (and what is queued ahead of it) and
@@ -198,11 +198,13 @@ class ReplicaView:
         streams held, an upper bound), judged as users' tools judge it (mean TPOT over its answer,
         and the per-token timeline), and `req` itself keeps its TBT at that pace. The learner's
         budget prices an average stream; this prices the ones actually here, so a refusal is
-        weighed against what admitting costs them (docs/architecture.md, "Absorbing a first token")."""
+        weighed against what admitting costs them (docs/architecture.md, "Absorbing a first token").
+        `timeline` False: the streams running are kept on time by mean TPOT (and deadlines) only,
+        as guidellm and `vllm bench serve` judge them."""
         tbt = req.slo.tbt_s
         if not self.healthy or self.role == "decode" or not tbt:
             return False
-        summary = self._slack(now)
+        summary = self._slack(now, timeline)
         if summary is None:
             return False
         pace, least, streams = summary
@@ -213,13 +215,13 @@ class ReplicaView:
         mine = max(req.remaining_bound, 1.0)
         return all(stall + b * min(left, mine) <= room for left, room in streams)
 
-    def _slack(self, now: float) -> tuple[float, float, list[tuple[float, float]]] | None:
+    def _slack(self, now: float, timeline: bool = True) -> tuple[float, float, list[tuple[float, float]]] | None:
         """For `absorbs`, once per decision (`now`) and set of streams: the median pace a stream
         here has had (its mean TPOT so far: its arrivals' prefill stalls are in it), the least time
         any stream on time now has to spare, and each such stream's (tokens left, time to spare
         at its end): by mean TPOT and its last token's due time, or its deadline. None: no stream
         here has a pace to go by."""
-        key = (now, len(self.decoding))  # a claim in the same decision adds a prefill, not a stream: the answer holds
+        key = (now, len(self.decoding), timeline)  # a claim in the same decision adds a prefill, not a stream: the answer holds
         if self.slack_memo is not None and self.slack_memo[0] == key:
             return self.slack_memo[1]
         paces = sorted((r.last_token_at - r.first_token_at) / (r.generated - 1) for r in self.decoding.values()
@@ -234,9 +236,11 @@ class ReplicaView:
                 left = max(r.len_mean - r.generated, 1.0)
                 end = now + left * pace  # its last token, as things go now
                 if r.kind is SLOClass.LATENCY and r.slo.tbt_s:
-                    room = min(r.first_token_at + (r.generated + left - 1) * r.slo.tbt_s,  # mean TPOT ≤ TBT
-                               r.token_deadline(int(r.generated + left) - 1)) - end  # its last token in time
-                    nxt = r.token_deadline(r.generated) - now - pace  # its next token in time
+                    room = r.first_token_at + (r.generated + left - 1) * r.slo.tbt_s - end  # mean TPOT ≤ TBT
+                    nxt = math.inf
+                    if timeline:
+                        room = min(room, r.token_deadline(int(r.generated + left) - 1) - end)  # its last token in time
+                        nxt = r.token_deadline(r.generated) - now - pace  # its next token in time
                     if room < 0 or nxt < 0:
                         continue  # late already: slowing it loses nothing more
                     least = min(least, room, nxt)
