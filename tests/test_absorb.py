@@ -135,9 +135,35 @@ def test_the_gateway_hands_absorb_to_its_scheduler() -> None:
     model = "sim-model"
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(model)))
-        app = create_app(GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": [model]}], "capacity": {"absorb": False}}))
+        app = create_app(GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": [model]}], "capacity": {"absorb": False, "absorb_by": "tpot"}}))
         gw = st.enter_context(ServerThread(app))
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
         assert c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
-        assert app.state.gateway.groups[model].scheduler.absorb is False
+        sched = app.state.gateway.groups[model].scheduler
+        assert sched.absorb is False and sched.absorb_by == "tpot"
     assert GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}]}).capacity.absorb is True  # the default
+
+
+def test_absorbing_by_mean_tpot_alone_ignores_a_stream_that_only_the_timeline_would_break() -> None:
+    """`capacity.absorb_by: tpot`: a stream with a slow first token (0.98 s) has 0.1 s of slack
+    to its next token's timeline and seconds by mean TPOT; a 2,000-token prefill (0.18 s) breaks
+    the first and not the second."""
+    now = 100.0
+
+    def replica() -> ReplicaView:
+        v = view(0, budget=1)
+        s = req(10, arrival=now - 0.01 - 0.98, slo=SLO.latency(1.0, TBT), bound=200)
+        s.first_token_at, s.last_token_at, s.generated = now - 0.01, now, 2
+        v.claim(s, s.arrival)
+        v.first_token(s, s.first_token_at)
+        v.model = view().model
+        return v
+
+    def newcomer() -> Request:
+        return req(2, arrival=now - 0.2, inp=2000, slo=SLO.latency(1.0, TBT), bound=200)
+
+    assert not replica().absorbs(now, newcomer(), cost=0.004) and replica().absorbs(now, newcomer(), cost=0.004, timeline=False)
+    for by, placed in (("timeline", []), ("tpot", [(2, 0)])):
+        sched = Scheduler.from_combo("gmax+gorouting")
+        sched.absorb, sched.absorb_by, sched.at_risk_s = True, by, 5.0
+        assert [(r.rid, rid) for r, rid in sched.schedule(now, [newcomer()], [replica()]).dispatch] == placed, by
