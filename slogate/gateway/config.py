@@ -192,6 +192,8 @@ class CapacityConfig(_Strict):
     on_stalls: Literal["cut", "end"] = Field(LearnerKnobs.on_stalls, description="What slow start does on a second whose mean inter-token gap is over "
                                             "the target but whose median is below half the goal (stalls: a burst's prefills, the host busy "
                                             "elsewhere): end slow start and keep the budget, or cut it as on any slow second.")
+    stalls_below: float = Field(LearnerKnobs.stalls_below, gt=0, le=1, description="Slow start reads a slow second as stalls (`on_stalls`) "
+                                "when its median inter-token gap is below this share of the goal (`margin` × the TBT target).")
     overdraft: bool = Field(LearnerKnobs.overdraft, description="Lend latency requests that would lose their first token waiting for a slot as many slots above the "
                             "budget as the replica's measured pace can take and stay below `lend_to` (never past the target's n).")
     overdraft_within_s: float = Field(LearnerKnobs.overdraft_within_s, ge=0, le=3600, description="A latency request may take a lent slot once its first token is due within "

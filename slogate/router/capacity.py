@@ -172,6 +172,8 @@ class CapacityLearner:
     # through such seconds and doubling further flooded the replicas (docs/benchmarks.md, "Stalls
     # are not a batch too large", sittings AD–AF).
     on_stalls: str = "end"
+    # The median gap (a share of the goal) below which a slow second in slow start reads as stalls.
+    stalls_below: float = 0.5
     last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
     _grown_at: float = -math.inf
     _fresh: int = 0  # index in `recent` of the first gap measured since the last doubling
@@ -297,7 +299,7 @@ class CapacityLearner:
             pace, over = (self.sustained if self._since_cut >= 10 else None), 1.25 * target_s
         self._since_cut += 1
         slow = pace is not None and pace > over and len(recent) >= 10
-        if slow and self._growing and self.on_stalls == "end" and median(recent) < 0.5 * goal:
+        if slow and self._growing and self.on_stalls == "end" and median(recent) < self.stalls_below * goal:
             slow = False  # stalls, not the batch: slow start ends without a cut
             self._afresh()
         if slow:
@@ -421,6 +423,7 @@ class LearnerKnobs:
     slow_start: bool = CapacityLearner.slow_start
     slow_start_budget: int = CapacityLearner.initial
     on_stalls: str = CapacityLearner.on_stalls
+    stalls_below: float = CapacityLearner.stalls_below
     overdraft: bool = CapacityLearner.overdraft_on
     overdraft_within_s: float = AT_RISK_S  # the scheduler's side of lending (Scheduler.at_risk_s)
     lend_to: float | None = CapacityLearner.lend_to
@@ -436,7 +439,7 @@ class LearnerKnobs:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the
         caller's circumstances (a replica joining a running fleet, shared state)."""
         return CapacityLearner(cap, start=start, slow_start=self.slow_start and slow_start, initial=self.slow_start_budget,
-                               margin=self.margin, on_stalls=self.on_stalls, overdraft_on=self.overdraft,
+                               margin=self.margin, on_stalls=self.on_stalls, stalls_below=self.stalls_below, overdraft_on=self.overdraft,
                                lend_to=self.lend_to, lend_now_below=self.lend_now_below, lend_in_bursts=self.lend_in_bursts,
                                margin_from_streams=self.margin_from_streams)
 
