@@ -124,6 +124,12 @@ def test_slow_start_on_a_second_of_stalls_keeps_the_budget_and_ends() -> None:
     assert [second(end, float(t), [9.0] * 40, end.budget) for t in (1, 2)] == [9, 10]  # then +1 a second while full and fast
     slow = CapacityLearner(cap=64)
     assert second(slow, 0.0, [55, 60, 58, 62, 57, 59, 61, 56, 60, 58, 300], 6) == 4 and not slow.growing
+    # A second from a fresh gateway's log at the knee (real vLLM, 1.8 req/s): 6 streams, 32 gaps,
+    # median 24.3 ms (0.57 of the 42.5 ms goal), mean 109 ms from arrivals' prefills of ~0.7 s.
+    knee = [24.3] * 28 + [700.0] * 4
+    assert second(CapacityLearner(cap=64), 0.0, knee, 6) == 4  # only below half the goal is it a stall
+    wider = CapacityLearner(cap=64, stalls_below=1.0)
+    assert second(wider, 0.0, knee, 6) == 8 and not wider.growing
 
 
 def test_the_pace_streams_can_afford_follows_their_slack() -> None:
