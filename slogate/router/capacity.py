@@ -173,6 +173,7 @@ class CapacityLearner:
     # are not a batch too large", sittings AD–AF).
     on_stalls: str = "end"
     # The median gap (a share of the goal) below which a slow second in slow start reads as stalls.
+    # 1.0 tied 0.5 on real vLLM at the knee (docs/benchmarks.md, sitting CB).
     stalls_below: float = 0.5
     last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
     _grown_at: float = -math.inf
@@ -433,7 +434,9 @@ class LearnerKnobs:
     # The scheduler's last resort before a refusal (Scheduler.absorb, ReplicaView.absorbs). On by
     # default since sittings BB, BA and BC (docs/benchmarks.md, issue 16).
     absorb: bool = True
-    absorb_by: str = "timeline"  # what keeps the streams running on time: "timeline" (and mean TPOT) or "tpot" alone
+    # What keeps the streams running on time: "timeline" (and mean TPOT) or "tpot" alone (not
+    # better at the knee on real vLLM: sitting CA).
+    absorb_by: str = "timeline"
 
     def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the
