@@ -265,10 +265,11 @@ def test_the_gateway_and_the_simulator_build_the_same_learner_from_the_same_knob
 
     assert CapacityConfig().knobs() == LearnerKnobs()  # the same defaults
     assert {f.name for f in fields(LearnerKnobs)} <= set(CapacityConfig.model_fields)
-    set_ = CapacityConfig(margin=0.7, slow_start_budget=4, on_stalls="cut", overdraft=False, overdraft_within_s=2.0,
+    set_ = CapacityConfig(margin=0.7, slow_start_budget=4, on_stalls="cut", stalls_below=0.8, overdraft=False, overdraft_within_s=2.0,
                           lend_to=0.8, lend_now_below=0.5, absorb=True, absorb_by="tpot").knobs()
     live = set_.learner(48)
     assert (live.margin, live.budget, live.on_stalls, live.overdraft_on, live.lend_to, live.lend_now_below) == (0.7, 4, "cut", False, 0.8, 0.5)
+    assert live.stalls_below == 0.8
     assert set_.learner(48, slow_start=False).budget == 48  # shared state: no slow start
     assert set_.learner(48, start=20).budget == 20  # joining a running fleet
     sched = Scheduler.from_combo("gmax+gorouting")

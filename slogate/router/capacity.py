@@ -163,7 +163,7 @@ class CapacityLearner:
     # measured fast: an engine busy with the prefills of what it was just sent shows none.
     grow_every_s: float = 0.1
     # What slow start does on a second of stalls rather than a batch too large: its mean pace is
-    # over the target but its median gap is below half the goal (most steps ran fast; a few stalled
+    # over the target but its median gap is below `stalls_below` of the goal (most steps ran fast; a few stalled
     # every stream: a burst's prefills, the host busy elsewhere). "end" (the default): keep the
     # budget, stop doubling, judge the next seconds afresh. "cut": as on any slow second. Cutting, a
     # fresh gateway took a replica from 8 to the floor on such a second (3 streams, median gap
