@@ -83,6 +83,35 @@ def test_no_growth_without_load_and_recovery_when_the_engine_slows_down() -> Non
     assert after[-1] <= before // 2 + 2, (before, after[-5:])
 
 
+def test_an_engine_slower_than_the_tbt_at_every_batch_seen_is_not_cut_but_filled() -> None:
+    """A fixed 50 ms a token whatever the batch (a large model; here the overhead bench's engine)
+    under a 50 ms TBT: fewer streams ran no faster, so a cut only refuses. It doubles while full,
+    as with no target. Where fewer streams did run faster, the same slow second still cuts."""
+
+    def ramp(itl) -> CapacityLearner:  # the first second of a fresh gateway: the replica went 1 → 8
+        lr = CapacityLearner(cap=256)
+        for n in range(1, 9):
+            for _ in range(6):
+                lr.observe(n, itl(n))
+        return lr
+
+    flat = ramp(lambda n: 0.050)
+    budgets = [flat.update(0.0, 0.050, 8)]
+    for t in range(1, 5):
+        for _ in range(40):
+            flat.observe(flat.budget, 0.050)
+        budgets.append(flat.update(float(t), 0.050, flat.budget))
+    assert budgets == [16, 32, 64, 128, 256], budgets
+    assert flat.beyond_reach(0.050, 0.85 * 0.050, 256) and flat.overdraft == flat.burst == 0
+    steep = ramp(lambda n: 0.005 + 0.006 * n)  # 53 ms at 8, 41 ms at 6: a batch too large
+    assert steep.update(0.0, 0.050, 8) < 8
+    assert not steep.beyond_reach(0.053, 0.85 * 0.050, 8)
+    unseen = CapacityLearner(cap=256)  # no gaps measured at fewer streams: no evidence, the cut stands
+    for _ in range(40):
+        unseen.observe(8, 0.050)
+    assert unseen.update(0.0, 0.050, 8) < 8
+
+
 def test_without_a_tbt_target_it_fills_up_to_the_cap_when_full() -> None:
     lr = CapacityLearner(cap=8, start=2)
     for t in range(10):

@@ -38,8 +38,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     # An ipc:// endpoint vLLM binds (a tcp:// one it binds only as tcp://*:PORT, on every interface).
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{model}/kv-events",
               "replay_endpoint": f"ipc://{model}/kv-replay"}
+    # 4,096 tokens of context (the model's positions): room for a long answer that a departed client's abort cuts short
     for url in start_vllm(tmp_path_factory, "--scheduling-policy", "priority", "--max-num-seqs", "8", "--kv-events-config", json.dumps(events),
-                          model=model, env_extra={"VLLM_SERVER_DEV_MODE": "1"}):  # /reset_prefix_cache
+                          "--max-model-len", "4096", model=model, env_extra={"VLLM_SERVER_DEV_MODE": "1"}):  # /reset_prefix_cache
         yield Engine(url, model, events["endpoint"])
 
 
@@ -89,10 +90,13 @@ def test_gateway_in_front_of_real_vllm(vllm: str) -> None:
         assert all(getattr(ch.choices[0], "token_ids", None) is None for ch in chunks if ch.choices)
         assert c.completions.create(model="tiny", prompt="def f(", max_tokens=8, extra_body={"ignore_eos": True, "priority": 1}).usage.completion_tokens == 8
         # a client that leaves mid-stream frees vLLM's slot: its sequence is aborted, not run to
-        # its 2,000 tokens. (Not judged by the running gauge during the stream: the tiny model
-        # makes hundreds of tokens a second, and two CI runs read the gauge after it had made them all.)
+        # its 4,000 tokens. (Not judged by the running gauge during the stream: the tiny model
+        # makes hundreds of tokens a second, and two CI runs read the gauge after it had made them all.
+        # On a 2-core host short of CPU the abort can land late: in 8 tries beside 4 busy processes,
+        # up to 467 tokens with the relay yielding every 16 events; without, one CI run and 1 of 8
+        # tries made all 2,000 of the answer this test used to ask for.)
         made = generated(vllm)
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": 4000, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=30) as resp:
             tokens = 0
             for line in resp.iter_lines():  # leaves mid-answer: after its third token
@@ -104,7 +108,7 @@ def test_gateway_in_front_of_real_vllm(vllm: str) -> None:
             last = generated(vllm)
             time.sleep(0.5)
         assert running(vllm) == 0
-        assert generated(vllm) - made < 1800, generated(vllm) - made  # by hand: 730 made before the abort
+        assert generated(vllm) - made < 3000, generated(vllm) - made  # by hand: 3 to 19 made before the abort
         text = httpx.get(f"{gw.url}/metrics").text
         assert 'slogate_requests_total{model="tiny",outcome="completed"' in text
         # an unknown parameter type is vLLM's 400, passed through in the OpenAI shape
