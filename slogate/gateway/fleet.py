@@ -377,12 +377,12 @@ class Fleet:
                     lr = b.learner
                     g = sorted(lr.last_second)
                     log.debug("budget %s: %d (holds %d + %d external, %s over ~10 s; %d of it a burst's; lends %d, %d at once; margin %s by %d streams; decode line %s, prefill %.4f s/stream, pace %s; "
-                              "last second: %d gaps, mean %s, median %s, max %s; slow start %s; bins %s)",
+                              "last second: %d gaps, mean %s, median %s, max %s; slow start %s; out of reach %s; bins %s)",
                               b.name, learned, v.inflight, ext, lr.load and round(lr.load, 1), lr.burst, lr.overdraft, lr.lend_now,
                               lr.margin_now, len(lr.judged),
                               lr.fit, lr.stall, lr.pace, len(g),
                               *((round(sum(g) / len(g), 4), g[len(g) // 2], g[-1]) if g else (None, None, None)), lr.growing,
-                              lr.bins_summary())
+                              lr.out_of_reach, lr.bins_summary())
             self.apply_budget(b, learned)
             self.metrics.external.labels(b.name).set(round(b.external, 2))
 

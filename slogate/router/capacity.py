@@ -176,6 +176,7 @@ class CapacityLearner:
     # 1.0 tied 0.5 on real vLLM at the knee (docs/benchmarks.md, sitting CB).
     stalls_below: float = 0.5
     last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
+    out_of_reach: bool = False  # the last update found the pace beyond any cut's reach (`beyond_reach`)
     _grown_at: float = -math.inf
     _fresh: int = 0  # index in `recent` of the first gap measured since the last doubling
 
@@ -251,11 +252,13 @@ class CapacityLearner:
         self.last_second = recent  # what this update judged (the gateway's debug log)
         self._fresh = 0
         if target_s is None:
+            self.out_of_reach = False
             self.overdraft = self.lend_now = self.burst = 0  # no stream with a pace to keep: full is the only signal there is
             if inflight >= self.budget:
                 self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
             return self.budget
-        if len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), self.margin_now * target_s, inflight):
+        self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), self.margin_now * target_s, inflight)
+        if self.out_of_reach:
             # No budget a cut leaves makes the pace: refusing for it protects no stream. Full is
             # the only signal, and it doubles (the pace did not depend on n where seen).
             self.overdraft = self.lend_now = self.burst = 0
@@ -386,14 +389,25 @@ class CapacityLearner:
 
     def _grow_between(self, now: float, target_s: float | None, inflight: int) -> None:
         """Slow start's doubling between full updates: while full, on at least 10 gaps measured
-        since the last doubling whose mean is below the goal (cuts wait for the full update)."""
-        if not self._growing or target_s is None or inflight < self.budget or now - self._grown_at < self.grow_every_s:
+        since the last doubling whose mean is below the goal (cuts wait for the full update).
+        The same doubling while the pace stays out of reach (`beyond_reach`): a fresh gateway in
+        front of a slower engine otherwise takes a second a doubling, and its queue meanwhile
+        refuses first tokens a plain router would serve."""
+        if target_s is None or inflight < self.budget or now - self._grown_at < self.grow_every_s:
+            return
+        if not (self._growing or self.out_of_reach):
             return
         fresh = self.recent[self._fresh:]
         goal = self.margin_now * target_s
-        if len(fresh) < 10 or sum(fresh) / len(fresh) >= goal:
+        if len(fresh) < 10:
             return
-        self.budget = max(self.budget, min(self._limit(goal), 2 * self.budget))
+        mean = sum(fresh) / len(fresh)
+        if self.out_of_reach and self.beyond_reach(mean, goal, inflight):
+            self.budget = min(self.cap, 2 * self.budget)
+        elif self._growing and mean < goal:
+            self.budget = max(self.budget, min(self._limit(goal), 2 * self.budget))
+        else:
+            return
         self._grown_at, self._fresh = now, len(self.recent)
 
     def _limit(self, goal: float) -> int:

