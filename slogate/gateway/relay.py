@@ -30,12 +30,6 @@ from slogate.router.request import SLOClass
 
 log = logging.getLogger("slogate.gateway")
 
-# An upstream read that finds many events buffered (the gateway was short of CPU while the engine
-# went on) returns them without suspending, and a write to a client that has gone does not raise:
-# the loop runs the callback that says the client left only between steps. Yielding every this
-# many events bounds what a departed client's engine keeps generating to one such step.
-YIELD_EVERY = 16
-
 
 class Relay:
     def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
@@ -69,11 +63,7 @@ class Relay:
             source = self.upstream.events(ex)
             items: AsyncIterator[tuple[bytes, EventInfo | None, float]] = (
                 paced(_triples(source, engine_led), pacer, on_end=engine_done) if pacer else source)  # type: ignore[arg-type]
-            n = 0
             async for ev, info, _ in items:
-                n += 1
-                if n % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
                 if info is not None:
                     if info.usage_out is not None:
                         exact = info.usage_out
