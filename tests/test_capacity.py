@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from helpers import req, view
+
 from slogate.router.capacity import CapacityLearner
 
 
@@ -102,14 +104,45 @@ def test_an_engine_slower_than_the_tbt_at_every_batch_seen_is_not_cut_but_filled
             flat.observe(flat.budget, 0.050)
         budgets.append(flat.update(float(t), 0.050, flat.budget))
     assert budgets == [16, 32, 64, 128, 256], budgets
-    assert flat.beyond_reach(0.050, 0.85 * 0.050, 256) and flat.overdraft == flat.burst == 0
+    assert flat.beyond_reach(0.050, 0.85 * 0.050) and flat.overdraft == flat.burst == 0
     steep = ramp(lambda n: 0.005 + 0.006 * n)  # 53 ms at 8, 41 ms at 6: a batch too large
     assert steep.update(0.0, 0.050, 8) < 8
-    assert not steep.beyond_reach(0.053, 0.85 * 0.050, 8)
+    assert not steep.beyond_reach(0.053, 0.85 * 0.050)
     unseen = CapacityLearner(cap=256)  # no gaps measured at fewer streams: no evidence, the cut stands
     for _ in range(40):
         unseen.observe(8, 0.050)
     assert unseen.update(0.0, 0.050, 8) < 8
+
+
+def test_out_of_reach_is_judged_by_decode_alone_and_a_first_cut_probes_it() -> None:
+    """An engine kept busy prefilling what it is sent is slow at every n (the simulator under
+    overload), but its steps with no prefill are fast: a cut helps there, so it is not out of
+    reach. A replica only ever seen full is cut once, and that cut shows whether fewer run faster."""
+    busy = CapacityLearner(cap=256)
+    for n in (8, 16, 32):
+        for _ in range(20):
+            busy.observe(n, 0.056, decode_only=False)  # steps shared with prefills
+        for _ in range(5):
+            busy.observe(n, 0.004 + 0.0005 * n)  # decode alone
+    assert not busy.beyond_reach(0.056, 0.85 * 0.050)
+    assert busy.update(0.0, 0.050, 32) < 32
+    probe = CapacityLearner(cap=256)  # a fixed 50 ms a token, only ever seen full at 8
+    for _ in range(40):
+        probe.observe(8, 0.050)
+    assert probe.update(0.0, 0.050, 8) == 6
+    for _ in range(40):
+        probe.observe(6, 0.050)
+    assert probe.update(1.0, 0.050, 6) == 12 and probe.out_of_reach
+
+
+def test_a_gap_is_decode_only_when_no_prefill_shared_it() -> None:
+    v = view()
+    r = req(1)
+    v.claim(r, 0.0)
+    assert not v.decode_only(0.02, 0.02)  # waiting for its first token: its prefill runs now
+    v.first_token(r, 0.05)
+    assert not v.decode_only(0.08, 0.05)  # the gap that ended at 0.08 began at 0.03, before that prefill ended
+    assert v.decode_only(0.11, 0.05)
 
 
 def test_without_a_tbt_target_it_fills_up_to_the_cap_when_full() -> None:

@@ -317,7 +317,7 @@ class Upstream:
                         if learner is not None:
                             # Everything the engine runs shares the step: streams yet to see a first
                             # token and non-streamed answers too, not just the decoding streams.
-                            learner.observe(view.inflight + int(b.external + 0.5), gap)
+                            learner.observe(view.inflight + int(b.external + 0.5), gap, view.decode_only(now, gap))
                 if info.finished and t.preempt is not None:
                     t.preempt, t.req.preemptible = None, False  # a whole answer: a resume would add to it
                 if ids is not None:

