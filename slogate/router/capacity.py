@@ -408,14 +408,13 @@ class CapacityLearner:
         refuses first tokens a plain router would serve."""
         if target_s is None or inflight < self.budget or now - self._grown_at < self.grow_every_s:
             return
-        if not (self._growing or self.out_of_reach):
-            return
         fresh = self.recent[self._fresh:]
         goal = self.margin_now * target_s
         if len(fresh) < 10:
             return
         mean = sum(fresh) / len(fresh)
-        if self.out_of_reach and self.beyond_reach(mean, goal):
+        if self.beyond_reach(mean, goal):  # found between updates too: a probing cut lasts a tenth of a second, not one
+            self.out_of_reach = True
             self.budget = min(self.cap, 2 * self.budget)
         elif self._growing and mean < goal:
             self.budget = max(self.budget, min(self._limit(goal), 2 * self.budget))
