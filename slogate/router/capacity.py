@@ -263,19 +263,20 @@ class CapacityLearner:
             if inflight >= self.budget:
                 self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
             return self.budget
-        self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), self.margin_now * target_s)
-        if self.out_of_reach:
-            # No budget a cut leaves makes the pace: refusing for it protects no stream. Full is
-            # the only signal, and it doubles (the pace did not depend on n where seen).
-            self.overdraft = self.lend_now = self.burst = 0
-            if inflight >= self.budget:
-                self.budget = min(self.cap, 2 * self.budget)
-            return self.budget
         goal = self._judge_margin(inflight, target_s) * target_s
         for n in list(self.bins):
             self.bins[n].weight *= 1 - self.decay
             if self.bins[n].weight < 0.5:
                 del self.bins[n]
+        self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), goal)
+        if self.out_of_reach:
+            # No budget a cut leaves makes the pace: refusing for it protects no stream. Full is
+            # the only signal, and it doubles (the pace did not depend on n where seen). The bins
+            # have faded above: evidence no longer renewed ends this.
+            self.overdraft = self.lend_now = self.burst = 0
+            if inflight >= self.budget:
+                self.budget = min(self.cap, 2 * self.budget)
+            return self.budget
         line = self._line()
         if line is not None:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
