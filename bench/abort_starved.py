@@ -23,16 +23,15 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+from real_engines import start_vllm  # noqa: E402
 from servers import ServerThread  # noqa: E402
 from vllm_engine import OFFLINE, RECIPE  # noqa: E402
 
 from slogate.gateway.app import create_app  # noqa: E402
 from slogate.gateway.config import GatewayConfig  # noqa: E402
-from slogate.testing.ports import free_port  # noqa: E402
-
-
-def counter(url: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith(name + "{"))
+from slogate.testing.procs import stop  # noqa: E402
+from slogate.testing.prom import metric  # noqa: E402
 
 
 def main() -> None:
@@ -43,31 +42,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2000)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    model = Path(tempfile.mkdtemp()) / "tiny"
+    model = Path(tempfile.mkdtemp()) / "tiny"  # the test's model (the recipe's default size), not real_engines' 21M one
     subprocess.run([a.vllm_python, str(RECIPE), str(model)], check=True, env={**os.environ, **OFFLINE}, capture_output=True)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.hogs)]
-    eng = subprocess.Popen([a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
-                            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager",
-                            "--max-num-seqs", "8"], env={**os.environ, **OFFLINE}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+    procs: list[subprocess.Popen] = []
     rows = []
     try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if eng.poll() is not None or time.monotonic() - t0 > 300:
-                raise RuntimeError("vLLM did not start")
-            time.sleep(1)
+        procs, (url,) = start_vllm(a.vllm_python, model, 1, model, extra=("--max-num-seqs", "8"))
         cfg = GatewayConfig.model_validate({"backends": [{"url": url, "budget": 8}], "health_interval_s": 0.5})
         with ServerThread(create_app(cfg)) as gw:
             for i in range(a.tries):
-                made = counter(url, "vllm:generation_tokens_total")
+                made = metric(url, "vllm:generation_tokens_total")
                 body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": a.max_tokens, "stream": True,
                         "ignore_eos": True}
                 with httpx.stream("POST", f"{gw.url}/v1/chat/completions", json=body, timeout=60) as resp:
@@ -77,14 +62,14 @@ def main() -> None:
                         if tokens == 3:
                             break
                 t1, last = time.monotonic(), -1.0
-                while time.monotonic() - t1 < 60 and (counter(url, "vllm:num_requests_running") > 0 or counter(url, "vllm:generation_tokens_total") != last):
-                    last = counter(url, "vllm:generation_tokens_total")
+                while time.monotonic() - t1 < 60 and (metric(url, "vllm:num_requests_running") > 0
+                                                      or metric(url, "vllm:generation_tokens_total") != last):
+                    last = metric(url, "vllm:generation_tokens_total")
                     time.sleep(0.5)
-                after = counter(url, "vllm:generation_tokens_total") - made
-                rows.append({"try": i, "tokens_after_leaving": after})
+                rows.append({"try": i, "tokens_after_leaving": metric(url, "vllm:generation_tokens_total") - made})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        eng.terminate()
+        stop(procs)
         for h in hogs:
             h.kill()
     print("tokens made after the client left, sorted:", sorted(r["tokens_after_leaving"] for r in rows))

@@ -259,10 +259,7 @@ class CapacityLearner:
         self._fresh = 0
         if target_s is None:
             self.out_of_reach = False
-            self.overdraft = self.lend_now = self.burst = 0  # no stream with a pace to keep: full is the only signal there is
-            if inflight >= self.budget:
-                self.budget = min(self.cap, 2 * self.budget if self._growing else self.budget + 1)
-            return self.budget
+            return self._fill(inflight, double=self._growing)  # no stream with a pace to keep
         goal = self._judge_margin(inflight, target_s) * target_s
         for n in list(self.bins):
             self.bins[n].weight *= 1 - self.decay
@@ -270,13 +267,10 @@ class CapacityLearner:
                 del self.bins[n]
         self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), goal)
         if self.out_of_reach:
-            # No budget a cut leaves makes the pace: refusing for it protects no stream. Full is
-            # the only signal, and it doubles (the pace did not depend on n where seen). The bins
-            # have faded above: evidence no longer renewed ends this.
-            self.overdraft = self.lend_now = self.burst = 0
-            if inflight >= self.budget:
-                self.budget = min(self.cap, 2 * self.budget)
-            return self.budget
+            # No budget a cut leaves makes the pace: refusing for it protects no stream. It doubles
+            # (the pace did not depend on n where seen). The bins have faded above: evidence no
+            # longer renewed ends this.
+            return self._fill(inflight, double=True)
         line = self._line()
         if line is not None:
             self.fit = line  # otherwise keep the last one: at a steady budget only one n is seen
@@ -337,6 +331,14 @@ class CapacityLearner:
             # The pace-based overdraft comes on top of the burst's slots, within the same ceiling.
             self.overdraft = max(0, self.overdraft - self.burst)
             self.lend_now = min(self.lend_now, self.overdraft)
+        return self.budget
+
+    def _fill(self, inflight: int, double: bool) -> int:
+        """Full is the only signal there is (no pace to keep, or none a cut could make): nothing
+        is lent, and a full replica grows, doubling or by one."""
+        self.overdraft = self.lend_now = self.burst = 0
+        if inflight >= self.budget:
+            self.budget = min(self.cap, 2 * self.budget if double else self.budget + 1)
         return self.budget
 
     def beyond_reach(self, pace: float, goal: float) -> bool:
