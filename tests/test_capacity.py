@@ -135,6 +135,30 @@ def test_out_of_reach_is_judged_by_decode_alone_and_a_first_cut_probes_it() -> N
     assert probe.update(1.0, 0.050, 6) == 12 and probe.out_of_reach
 
 
+def test_after_a_probing_cut_out_of_reach_is_found_and_doubled_between_updates() -> None:
+    """The driver calls often after a cut (`quick`): the probe's verdict and each doubling come a
+    tenth of a second apart, not a second (at one a second a fresh gateway in front of engines
+    slower than the TBT refused 194 first tokens, docs/benchmarks.md)."""
+    lr = CapacityLearner(cap=256)
+    for _ in range(40):
+        lr.observe(8, 0.050)
+    assert lr.update(0.0, 0.050, 8) == 6 and not lr.growing and lr.quick  # the cut is the probe
+    t, held = 0.0, 8
+    for _ in range(8):  # within the second after the cut
+        t += 0.1
+        held = min(held, lr.budget) if lr.budget < held else lr.budget  # drained to the cut, then filled
+        for _ in range(12):
+            lr.observe(held, 0.050)
+        lr.update(t, 0.050, held)
+    assert lr.out_of_reach and lr.quick and lr.budget >= 48
+    calm = CapacityLearner(cap=256, start=16)
+    for k in range(8):  # fast and steady: no cut, so once a second is enough
+        for _ in range(20):
+            calm.observe(16, 0.020)
+        calm.update(float(k), 0.050, 16)
+    assert not calm.quick
+
+
 def test_a_gap_is_decode_only_when_no_prefill_shared_it() -> None:
     v = view()
     r = req(1)

@@ -171,3 +171,37 @@ def test_a_dispatch_decided_while_the_store_fails_is_still_shared_later(redis_ur
             await sync.store.close()
 
     asyncio.run(go())
+
+
+def test_the_gateway_re_decides_budgets_often_while_a_learner_is_quick_after_slow_start() -> None:
+    """Out of reach (or just after a cut) a replica's budget doubles between the once-a-second
+    health checks: the gateway's quick loop keeps calling once slow start is over (it used to
+    end with slow start, so each doubling waited a second)."""
+    from slogate.gateway.handler import Gateway
+
+    async def run() -> int:
+        gw = Gateway(GatewayConfig.model_validate({"backends": [{"url": "http://a:1", "models": ["m"], "budget": 64}]}))
+        b = gw.fleet.backends[0]
+        lr = b.learner
+        assert lr is not None
+        lr._growing, lr._since_cut, lr.out_of_reach = False, 10, True  # slow start over; found out of reach
+        b.view.healthy = True
+        for i in range(b.view.budget):
+            b.view.claim(Request(i, 0.0, 10, SLO.deadline(5.0)), 0.0)  # full
+        calls = 0
+
+        def count() -> None:
+            nonlocal calls
+            calls += 1
+
+        gw.fleet.update_budgets = count  # type: ignore[method-assign]
+        task = asyncio.create_task(gw._slow_start_loop())
+        await asyncio.sleep(0.55)
+        lr.out_of_reach = False  # reached: once a second is enough again
+        seen = calls
+        await asyncio.sleep(0.3)
+        task.cancel()
+        assert calls - seen <= 1
+        return seen
+
+    assert asyncio.run(run()) >= 3

@@ -59,6 +59,7 @@ log = logging.getLogger("slogate.gateway")
 
 JSON_IN_THREAD = 256 * 1024  # bodies larger than this are parsed / encoded off the event loop
 HASH_IN_THREAD = 64 * 1024  # prompts longer than this (characters) are cut into prefix blocks off the loop (~0.15 ms)
+IDLE_QUICK_S = 0.5  # how often the quick-budget loop looks for a learner that wants it (a cut starts a probe)
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -198,14 +199,14 @@ class Gateway:
                 log.exception("health loop step failed")
 
     async def _slow_start_loop(self) -> None:
-        """While a replica's budget is in slow start it may double every `grow_every_s`, between
-        the health checks that re-decide budgets once a second (router/capacity.py)."""
+        """While a replica's learner wants it (`CapacityLearner.quick`: slow start, out of reach,
+        just after a cut) its budget is re-decided every `grow_every_s`, between the health
+        checks that do so once a second (router/capacity.py)."""
         while True:
-            growing = [b.learner for b in self.fleet.backends if b.learner is not None and b.learner.growing]
-            if not growing:
-                return  # only replicas present at start grow so; joining ones begin at their peers' budget
-            await asyncio.sleep(min(lr.grow_every_s for lr in growing))
-            if not any(b.learner is not None and b.learner.growing and b.view.inflight >= b.view.budget for b in self.fleet.backends):
+            quick = [b.learner for b in self.fleet.backends if b.learner is not None and b.learner.quick]
+            # Never returns: a learner becomes quick again at its next cut.
+            await asyncio.sleep(min(lr.grow_every_s for lr in quick) if quick else IDLE_QUICK_S)
+            if not any(b.learner is not None and b.learner.quick and b.view.inflight >= b.view.budget for b in self.fleet.backends):
                 continue  # none full: nothing to grow for (the health check's update still runs once a second)
             try:
                 self.fleet.update_budgets()

@@ -71,6 +71,8 @@ BURST_SHARE = 0.63
 # fewer streams do not shorten, and a margin lowered to 0.75 refused more and delivered less
 # (sitting AV, 1.5 req/s: 236 / 154 against 250 / 185 tok/s).
 JUDGED = 30
+# Updates after a cut during which the driver calls often (`CapacityLearner.quick`).
+PROBE_UPDATES = 5
 AIM_LOW, AIM_HIGH = 0.9, 0.97
 MARGIN_MOST = 0.95
 
@@ -400,8 +402,19 @@ class CapacityLearner:
 
     @property
     def growing(self) -> bool:
-        """In slow start: the driver should call `update` every `grow_every_s`, not only once a second."""
+        """In slow start (TCP's): the budget doubles while full and fast."""
         return self._growing
+
+    @property
+    def quick(self) -> bool:
+        """The driver should call `update` every `grow_every_s`, not only once a second: in slow
+        start, while out of reach (each doubling waits for the gaps of the last), and for
+        PROBE_UPDATES updates after a cut, which may be the probe that finds the pace out of
+        reach (`beyond_reach`). At one call a second a fresh gateway in front of engines slower
+        than the TBT took ~6 s from its first cut to a budget the load needed, and its queue
+        meanwhile refused 194 first tokens a plain router served (docs/benchmarks.md, "An engine
+        slower than the TBT")."""
+        return self._growing or self.out_of_reach or self._since_cut < PROBE_UPDATES
 
     def _grow_between(self, now: float, target_s: float | None, inflight: int) -> None:
         """Slow start's doubling between full updates: while full, on at least 10 gaps measured

@@ -162,8 +162,8 @@ class ClusterSim:
             self.now = t
             if kind == STEP:
                 self._on_step(payload)  # type: ignore[arg-type]
-                if self.learners is not None and any(lr.growing for lr in self.learners):
-                    self._update_budgets(sample=False)  # slow start may double between frames, as live (router/capacity.py)
+                if self.learners is not None and any(lr.quick for lr in self.learners):
+                    self._update_budgets(sample=False)  # slow start / out of reach may double between frames, as live (router/capacity.py)
             elif kind == ARRIVE:
                 self._on_arrival(payload)  # type: ignore[arg-type]
             else:
