@@ -6,7 +6,7 @@ import random
 
 from helpers import req, view
 
-from slogate.router.capacity import CapacityLearner
+from slogate.router.capacity import ANCHOR_S, CapacityLearner
 
 
 def drive(learner: CapacityLearner, itl, seconds: int, target: float, offered: int = 10_000, rng: random.Random | None = None) -> list[int]:
@@ -157,6 +157,30 @@ def test_after_a_probing_cut_out_of_reach_is_found_and_doubled_between_updates()
             calm.observe(16, 0.020)
         calm.update(float(k), 0.050, 16)
     assert not calm.quick
+
+
+def test_an_out_of_reach_verdict_outlives_its_faded_bin_until_the_engine_changes() -> None:
+    """Held at 48 by the load, a replica sees no smaller n after its probe: the probe's decode is
+    remembered, compared with the largest n's as it is renewed, and forgotten when they differ."""
+    lr = CapacityLearner(cap=256)
+    for n in (6, 8):
+        for _ in range(10):
+            lr.observe(n, 0.050)
+    assert lr.beyond_reach(0.050, 0.0425, now=0.0)
+    lr.bins.clear()
+    for _ in range(10):
+        lr.observe(48, 0.051)
+    assert lr.beyond_reach(0.051, 0.0425, now=60.0)  # n = 6 has faded; its memory compares
+    assert not lr.beyond_reach(0.051, 0.0425, now=60.0 + ANCHOR_S)  # too old: a cut probes again
+    lr.bins.clear()
+    for n in (6, 8):
+        for _ in range(10):
+            lr.observe(n, 0.050)
+    assert lr.beyond_reach(0.050, 0.0425, now=1.0)  # probed afresh: remembered anew
+    lr.bins.clear()
+    for _ in range(10):
+        lr.observe(48, 0.080)  # the engine now slows with its batch
+    assert not lr.beyond_reach(0.080, 0.0425, now=2.0) and lr._anchor is None
 
 
 def test_a_gap_is_decode_only_when_no_prefill_shared_it() -> None:

@@ -73,6 +73,9 @@ BURST_SHARE = 0.63
 JUDGED = 30
 # Updates after a cut during which the driver calls often (`CapacityLearner.quick`).
 PROBE_UPDATES = 5
+# How long an out-of-reach verdict's smallest n is remembered once its bin has faded (`beyond_reach`):
+# then a cut probes again, in case the engine changed.
+ANCHOR_S = 600.0
 AIM_LOW, AIM_HIGH = 0.9, 0.97
 MARGIN_MOST = 0.95
 
@@ -183,6 +186,7 @@ class CapacityLearner:
     last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
     out_of_reach: bool = False  # the last update found the pace beyond any cut's reach (`beyond_reach`)
     _grown_at: float = -math.inf
+    _anchor: tuple[int, float, float] | None = None  # (n, decode gap, when): the smallest n an out-of-reach verdict was made at
     _fresh: int = 0  # index in `recent` of the first gap measured since the last doubling
 
     def __post_init__(self) -> None:
@@ -267,7 +271,7 @@ class CapacityLearner:
             self.bins[n].weight *= 1 - self.decay
             if self.bins[n].weight < 0.5:
                 del self.bins[n]
-        self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), goal)
+        self.out_of_reach = len(recent) >= 10 and self.beyond_reach(sum(recent) / len(recent), goal, now)
         if self.out_of_reach:
             # No budget a cut leaves makes the pace: refusing for it protects no stream. It doubles
             # (the pace did not depend on n where seen). The bins have faded above: evidence no
@@ -343,7 +347,7 @@ class CapacityLearner:
             self.budget = min(self.cap, 2 * self.budget if double else self.budget + 1)
         return self.budget
 
-    def beyond_reach(self, pace: float, goal: float) -> bool:
+    def beyond_reach(self, pace: float, goal: float, now: float | None = None) -> bool:
         """This second's mean gap `pace` misses the `goal` the learner aims at, and so does the
         engine's decode alone at the fewest streams it was measured at, no faster than at the
         most: the medians of gaps no prefill shared (`_Bin.decode`), at the smallest n and at
@@ -355,14 +359,27 @@ class CapacityLearner:
         too large decodes faster at fewer streams; a second of prefill stalls, or an engine kept
         busy prefilling what it was sent (slow at every n: the simulator under overload), decodes
         fast between prefills: neither is this. A replica only ever seen full has no smaller n
-        to compare: its first cut is the probe."""
+        to compare: its first cut is the probe.
+
+        Once found (at `now`), the smallest n and its decode are remembered for ANCHOR_S: when
+        that bin has faded (a replica held where the load puts it sees no smaller n), the
+        largest n's decode, renewed all the time, is compared with the memory. Judged by the
+        bins alone, the verdict ended ~45 s after the probe and the next update's line put both
+        replicas at the floor while they held 48 streams (a second probe, and a queue)."""
         if pace < goal:
             return False
         seen = sorted((n, median(b.decode)) for n, b in self.bins.items() if len(b.decode) >= 3)
-        if len(seen) < 2:
+        if not seen:
             return False
         (n_lo, lo), (n_hi, hi) = seen[0], seen[-1]
-        return n_lo <= 0.8 * n_hi and lo >= goal and lo >= 0.9 * hi
+        if n_lo > 0.8 * n_hi and self._anchor is not None and now is not None and now - self._anchor[2] < ANCHOR_S:
+            n_lo, lo = self._anchor[0], self._anchor[1]  # the bins alone compare nothing: the memory does
+        found = n_lo <= 0.8 * n_hi and lo >= goal and lo >= 0.9 * hi
+        if now is not None and n_lo <= 0.8 * n_hi:
+            # A comparison made: remember a verdict (its clock restarts while the bins make it), forget a refuted one.
+            keep = self._anchor is not None and self._anchor[:2] == (n_lo, lo)
+            self._anchor = (self._anchor if keep else (n_lo, lo, now)) if found else None
+        return found
 
     def judge(self, ratio: float) -> None:
         """A stream finished here at a mean time per token of `ratio` × its TBT (`stream_pace`)."""
@@ -429,7 +446,7 @@ class CapacityLearner:
         if len(fresh) < 10:
             return
         mean = sum(fresh) / len(fresh)
-        if self.beyond_reach(mean, goal):  # found between updates too: a probing cut lasts a tenth of a second, not one
+        if self.beyond_reach(mean, goal, now):  # found between updates too: a probing cut lasts a tenth of a second, not one
             self.out_of_reach = True
             self.budget = min(self.cap, 2 * self.budget)
         elif self._growing and mean < goal:
