@@ -186,6 +186,7 @@ class CapacityLearner:
     last_second: list[float] = field(default_factory=list)  # the gaps the last update judged
     out_of_reach: bool = False  # the last update found the pace beyond any cut's reach (`beyond_reach`)
     _grown_at: float = -math.inf
+    _probe: bool = False  # the last cut was a probe: the decode bins held no two n to compare (`quick`)
     _anchor: tuple[int, float, float] | None = None  # (n, decode gap, when): the smallest n an out-of-reach verdict was made at
     _fresh: int = 0  # index in `recent` of the first gap measured since the last doubling
 
@@ -323,6 +324,7 @@ class CapacityLearner:
         if slow:
             self.budget = min(self.budget, max(self._least, int(inflight * 0.8)))  # multiplicative decrease
             self._afresh()
+            self._probe = self._uncompared()
         elif self._growing:
             if inflight >= self.budget and mean is not None and mean < goal and now - self._grown_at >= self.grow_every_s:
                 self.budget = max(self.budget, min(limit, 2 * self.budget))  # slow start: doubles on a pace measured fast this second
@@ -426,12 +428,19 @@ class CapacityLearner:
     def quick(self) -> bool:
         """The driver should call `update` every `grow_every_s`, not only once a second: in slow
         start, while out of reach (each doubling waits for the gaps of the last), and for
-        PROBE_UPDATES updates after a cut, which may be the probe that finds the pace out of
-        reach (`beyond_reach`). At one call a second a fresh gateway in front of engines slower
-        than the TBT took ~6 s from its first cut to a budget the load needed, and its queue
-        meanwhile refused 194 first tokens a plain router served (docs/benchmarks.md, "An engine
-        slower than the TBT")."""
-        return self._growing or self.out_of_reach or self._since_cut < PROBE_UPDATES
+        PROBE_UPDATES updates after a cut that is a probe (no two n to compare yet), which may
+        find the pace out of reach (`beyond_reach`). At one call a second a fresh gateway in
+        front of engines slower than the TBT took ~6 s from its first cut to a budget the load
+        needed, and its queue meanwhile refused 194 first tokens a plain router served
+        (docs/benchmarks.md, "An engine slower than the TBT"). Not after every cut: calls a
+        tenth of a second apart move the once-a-second update off the simulator's frames, and
+        its sweep lost 1–3 points of attainment."""
+        return self._growing or self.out_of_reach or (self._probe and self._since_cut < PROBE_UPDATES)
+
+    def _uncompared(self) -> bool:
+        """The decode bins hold no two n that `beyond_reach` could compare: a cut now is a probe."""
+        ns = [n for n, b in self.bins.items() if len(b.decode) >= 3]
+        return not ns or min(ns) > 0.8 * max(ns)
 
     def _grow_between(self, now: float, target_s: float | None, inflight: int) -> None:
         """Slow start's doubling between full updates: while full, on at least 10 gaps measured
