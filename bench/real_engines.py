@@ -657,6 +657,7 @@ def bench_systems(a: argparse.Namespace) -> list[str]:
 
 
 def main() -> None:
+    global TTFT_S, TBT_S, MAX_OUT
     if len(sys.argv) == 3 and sys.argv[1] == "--report":
         print(report(Path(sys.argv[2])))
         return
@@ -671,8 +672,10 @@ def main() -> None:
                     help="multiply the SLO (TTFT 1 s, TBT 50 ms), the judging rules and slogate's built-in default SLO by this: "
                          "for a host whose engines are that much slower (an unloaded first token here took 0.5 s on one host, "
                          "1.27 s on another)")
+    ap.add_argument("--max-output", type=int, default=MAX_OUT, help="cap on each answer's length (tokens): the tests' smoke run "
+                    "uses a short one, so its streams end soon after the arrivals do")
     a = ap.parse_args()
-    global TTFT_S, TBT_S
+    MAX_OUT = a.max_output
     TTFT_S, TBT_S = TTFT_S * a.slo_scale, TBT_S * a.slo_scale
     if a.slo_scale != 1:  # the built-in default scaled alike: the whole run is a faster host's in slow motion
         d = SLOConfig().default

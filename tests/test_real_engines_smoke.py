@@ -23,7 +23,7 @@ def test_real_engine_benchmark_runs_end_to_end(tmp_path: Path) -> None:
         pytest.skip("../shared/data is not there")
     out = tmp_path / "real.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--vllm-python", py, "--replicas", "1", "--rates", "2",
-                        "--repeats", "1", "--duration", "8", "--warmup", "3", "--out", str(out)], capture_output=True, text=True, timeout=900)
+                        "--repeats", "1", "--duration", "8", "--warmup", "3", "--max-output", "64", "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     systems = {row["system"] for row in rows}
