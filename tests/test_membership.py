@@ -195,7 +195,7 @@ def test_the_gateway_re_decides_budgets_often_while_a_learner_is_quick_after_slo
             calls += 1
 
         gw.fleet.update_budgets = count  # type: ignore[method-assign]
-        task = asyncio.create_task(gw._slow_start_loop())
+        task = asyncio.create_task(gw._quick_loop())
         await asyncio.sleep(0.55)
         lr.out_of_reach = False  # reached: once a second is enough again
         seen = calls

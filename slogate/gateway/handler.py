@@ -135,7 +135,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._health_loop()))
         self._tasks.append(loop.create_task(self._discovery_loop()))
-        self._tasks.append(loop.create_task(self._slow_start_loop()))
+        self._tasks.append(loop.create_task(self._quick_loop()))
         if self.tokenizer is not None:
             self.kv_feeds.sync(self.fleet.backends)
         if self.state.shared:
@@ -198,9 +198,9 @@ class Gateway:
             except Exception:  # the loop that keeps the fleet's picture must outlive any one bug
                 log.exception("health loop step failed")
 
-    async def _slow_start_loop(self) -> None:
+    async def _quick_loop(self) -> None:
         """While a replica's learner wants it (`CapacityLearner.quick`: slow start, out of reach,
-        just after a cut) its budget is re-decided every `grow_every_s`, between the health
+        just after a cut that probes) its budget is re-decided every `grow_every_s`, between the health
         checks that do so once a second (router/capacity.py)."""
         while True:
             quick = [b.learner for b in self.fleet.backends if b.learner is not None and b.learner.quick]
@@ -211,7 +211,7 @@ class Gateway:
             try:
                 self.fleet.update_budgets()
             except Exception:
-                log.exception("slow start step failed")
+                log.exception("quick budget step failed")
 
     # ------------------------------------------------------------------ membership and reload
     async def _discovery_loop(self) -> None:

@@ -276,7 +276,7 @@ class CapacityLearner:
         if self.out_of_reach:
             # No budget a cut leaves makes the pace: refusing for it protects no stream. It doubles
             # (the pace did not depend on n where seen). The bins have faded above: evidence no
-            # longer renewed ends this.
+            # longer renewed ends this, once the verdict's memory (ANCHOR_S) has too.
             return self._fill(inflight, double=True)
         line = self._line()
         if line is not None:
@@ -370,18 +370,26 @@ class CapacityLearner:
         replicas at the floor while they held 48 streams (a second probe, and a queue)."""
         if pace < goal:
             return False
-        seen = sorted((n, median(b.decode)) for n, b in self.bins.items() if len(b.decode) >= 3)
+        seen = self._decode_medians()
         if not seen:
             return False
         (n_lo, lo), (n_hi, hi) = seen[0], seen[-1]
-        if n_lo > 0.8 * n_hi and self._anchor is not None and now is not None and now - self._anchor[2] < ANCHOR_S:
+        if not _apart(n_lo, n_hi) and self._anchor is not None and now is not None and now - self._anchor[2] < ANCHOR_S:
             n_lo, lo = self._anchor[0], self._anchor[1]  # the bins alone compare nothing: the memory does
-        found = n_lo <= 0.8 * n_hi and lo >= goal and lo >= 0.9 * hi
-        if now is not None and n_lo <= 0.8 * n_hi:
+        if not _apart(n_lo, n_hi):
+            return False
+        found = lo >= goal and lo >= 0.9 * hi
+        if now is not None:
             # A comparison made: remember a verdict (its clock restarts while the bins make it), forget a refuted one.
-            keep = self._anchor is not None and self._anchor[:2] == (n_lo, lo)
-            self._anchor = (self._anchor if keep else (n_lo, lo, now)) if found else None
+            if not found:
+                self._anchor = None
+            elif self._anchor is None or self._anchor[:2] != (n_lo, lo):
+                self._anchor = (n_lo, lo, now)
         return found
+
+    def _decode_medians(self) -> list[tuple[int, float]]:
+        """(n, median decode-only gap) for each n with at least 3 such gaps, by n."""
+        return sorted((n, median(b.decode)) for n, b in self.bins.items() if len(b.decode) >= 3)
 
     def judge(self, ratio: float) -> None:
         """A stream finished here at a mean time per token of `ratio` × its TBT (`stream_pace`)."""
@@ -439,8 +447,8 @@ class CapacityLearner:
 
     def _uncompared(self) -> bool:
         """The decode bins hold no two n that `beyond_reach` could compare: a cut now is a probe."""
-        ns = [n for n, b in self.bins.items() if len(b.decode) >= 3]
-        return not ns or min(ns) > 0.8 * max(ns)
+        seen = self._decode_medians()
+        return not seen or not _apart(seen[0][0], seen[-1][0])
 
     def _grow_between(self, now: float, target_s: float | None, inflight: int) -> None:
         """Slow start's doubling between full updates: while full, on at least 10 gaps measured
@@ -500,6 +508,12 @@ class CapacityLearner:
         puts the pace at the target itself (needs a line)."""
         assert self.fit is not None
         return min(int(self._n_at(target_s)) if target_s > self.fit[0] else 0, self.cap)
+
+
+def _apart(n_lo: int, n_hi: int) -> bool:
+    """Two batch sizes far enough apart (the larger ≥ 1.25 × the smaller) that a batch too large
+    shows in their decode gaps (`CapacityLearner.beyond_reach`)."""
+    return n_lo <= 0.8 * n_hi
 
 
 @dataclass(frozen=True)
