@@ -11,7 +11,9 @@ indexes are full (LRU evicting on every insert), and measures an index's memory 
 With `--tokenizer DIR` (a Hugging Face tokenizer: precise mode, `prefix.tokenizer`) it also times
 what that mode adds: the prompt tokenized as the engine does (completions, and a chat through the
 template), its ids cut into 16-token blocks, and one engine's KV-cache events for it applied to an
-index (`BlockStored` of its 128-token blocks re-hashed into the gateway's chain, then removed).
+index (`BlockStored` of its 128-token blocks re-hashed into the gateway's chain, then removed),
+and a `--turns`-call conversation tokenized whole against through the token cache
+(`prefix.token_cache`: each call has only what it added tokenized).
 """
 
 from __future__ import annotations
@@ -81,6 +83,42 @@ def precise_mode(tokenizer: Path, prompt: str, repeats: int) -> dict:
     return {"tokens": len(ids), "engine_blocks": n, "runs": runs}
 
 
+def conversation(tokenizer: Path, turns: int, repeats: int) -> dict:
+    """An agent loop's calls (each the whole conversation so far, a turn longer) tokenized whole
+    and through the token cache (`prefix.token_cache`), call by call as they arrive."""
+    from slogate.gateway.tokenizer import PromptTokenizer
+
+    rng = random.Random(1)
+
+    def para(n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    msgs = [{"role": "system", "content": para(100)}]
+    calls = []
+    for _ in range(turns):
+        msgs.append({"role": "user", "content": para(120)})
+        calls.append({"messages": list(msgs)})
+        msgs.append({"role": "assistant", "content": para(150)})
+    runs = []
+    for _ in range(repeats):
+        row: dict = {}
+        for name, cache in (("whole", 0), ("cached", 1_000_000)):
+            t = PromptTokenizer(tokenizer, cache)
+            ms = []
+            for body in calls:
+                t0 = time.perf_counter()
+                t.ids(body)
+                ms.append(1000 * (time.perf_counter() - t0))
+            row[name] = {"total_ms": round(sum(ms), 2), "last_call_ms": round(ms[-1], 3)}
+            if t.cache is not None:
+                row[name] |= {"reused": t.cache.reused, "tokenized": t.cache.tokenized, "held_tokens": t.cache.held}
+        row["ratio_total"] = round(row["whole"]["total_ms"] / row["cached"]["total_ms"], 2)
+        row["ratio_last_call"] = round(row["whole"]["last_call_ms"] / row["cached"]["last_call_ms"], 2)
+        runs.append(row)
+    last = PromptTokenizer(tokenizer).ids(calls[-1]) or []
+    return {"turns": turns, "last_call_tokens": len(last), "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=64)
@@ -89,6 +127,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tokenizer", type=Path, help="a tokenizer directory: also time precise mode's steps")
+    ap.add_argument("--turns", type=int, default=30, help="with --tokenizer: the conversation's calls, tokenized whole and through the cache")
     a = ap.parse_args()
     rng = random.Random(0)
 
@@ -117,6 +156,8 @@ def main() -> None:
                      "total_us": round(hashing + lookup + insert, 2), "share_encode_us": round(encode, 2),
                      "share_receive_us": round(received, 2), "share_entry_bytes": len(wire[0])})
     precise = precise_mode(a.tokenizer, prompt, a.repeats) if a.tokenizer else None
+    if a.tokenizer:
+        precise["conversation"] = conversation(a.tokenizer, a.turns, a.repeats)
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     c = PrefixCache(a.capacity)

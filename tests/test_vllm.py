@@ -266,3 +266,30 @@ def test_a_gateway_starting_beside_a_warm_engine_replays_what_it_holds(engine: E
         expected = metric(gw.url, "slogate_prefix_cached_tokens_total") - g0
         found = metric(engine.url, "vllm:prefix_cache_hits_total") - e0
     assert found >= 256 and expected == found
+
+
+def test_a_resent_conversation_is_expected_to_hit_what_vllm_finds(engine: Engine) -> None:
+    """The token cache (`prefix.token_cache`) through vLLM's own chat template: each call of a
+    growing conversation reuses the ids of the call before, and the hit the gateway expects from
+    those ids is exactly the one vLLM counts."""
+    assert httpx.post(f"{engine.url}/reset_prefix_cache", timeout=10).status_code == 200
+    cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "budget": 8}], "prefix": {"tokenizer": str(engine.model)},
+                                        "health_interval_s": 0.5})
+    msgs = [{"role": "system", "content": " ".join(f"Rule {i}: keep the ledger of harbour {i * 5} in order." for i in range(40))}]
+    with ServerThread(create_app(cfg)) as gw:
+        t0 = time.monotonic()
+        while not metric(gw.url, "slogate_kv_events_total", kind="replayed_batches") and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for turn in range(3):
+            msgs.append({"role": "user", "content": f"Question {turn}: which harbour comes after {turn * 5}? " * 8})
+            g0, e0 = metric(gw.url, "slogate_prefix_cached_tokens_total"), metric(engine.url, "vllm:prefix_cache_hits_total")
+            c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)  # type: ignore[arg-type]
+            expected = metric(gw.url, "slogate_prefix_cached_tokens_total") - g0
+            found = metric(engine.url, "vllm:prefix_cache_hits_total") - e0
+            assert expected == found, (turn, expected, found)
+            msgs.append({"role": "assistant", "content": f"Harbour {turn * 5 + 5}, by the ledger. " * 6})
+        assert found >= 256  # the last call found the conversation so far
+        reused = metric(gw.url, "slogate_tokenizer_tokens_total", how="reused")
+        tokenized = metric(gw.url, "slogate_tokenizer_tokens_total", how="tokenized")
+        assert reused > tokenized / 3, (reused, tokenized)

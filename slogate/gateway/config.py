@@ -244,6 +244,10 @@ class PrefixConfig(_Strict):
                                    "tokenizer_config.json / chat_template.jinja, or the tokenizer.json): prompts are cut into blocks of "
                                    "`block_tokens` token ids as the engine tokenizes them (~1 ms per 3,000 tokens, off the event loop), "
                                    "and replicas with `kv_events` are pictured from the engine's events. Unset: blocks of characters.")
+    token_cache: int = Field(1_000_000, ge=0, description="With a tokenizer: token ids of recent chat prompts kept (4 bytes each, least "
+                             "recently used dropped first), so a conversation or agent loop that resends its context has only what "
+                             "it added tokenized (the ids up to a special token of the template are the same in every prompt that "
+                             "shares the text before it; checked on the first reuses). 0: tokenize every prompt whole.")
     block_tokens: int = Field(16, ge=1, le=4096, description="Token ids per block with a tokenizer: a divisor of every engine's KV block size "
                               "(vLLM's 16 on GPUs, 128 on CPUs).")
     kv_events_topic: str = Field("", description="The ZMQ topic the engines publish KV-cache events on (vLLM's `topic`, default empty).")

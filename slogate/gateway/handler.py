@@ -112,7 +112,9 @@ class Gateway:
         self.discovery = Discovery(cfg.discovery)
         self.prefix_chars = cfg.prefix.block_chars if cfg.prefix.enabled else 0
         pc = cfg.prefix
-        self.tokenizer = PromptTokenizer(pc.tokenizer) if pc.enabled and pc.tokenizer is not None else None
+        self.tokenizer = PromptTokenizer(pc.tokenizer, pc.token_cache) if pc.enabled and pc.tokenizer is not None else None
+        if self.tokenizer is not None and self.tokenizer.cache is not None:
+            self.tokenizer.cache.on_encoded = self._count_tokenized
         self.kv_feeds = KVEventFeeds(pc.block_tokens, pc.kv_events_topic, self.metrics)
         self.predictor = predictor
         self.groups: dict[str, Admission] = {}
@@ -439,6 +441,11 @@ class Gateway:
         req.prefix = token_block_hashes(ids, bt)[0]
         req.tokens_per_block = float(bt)
         return len(ids)
+
+    def _count_tokenized(self, done: int, kept: int) -> None:
+        tt = self.metrics.tokenizer_tokens  # thread-safe: called from the tokenizing worker thread
+        tt.labels("tokenized").inc(done)
+        tt.labels("reused").inc(kept)
 
     @staticmethod
     def _session(request: Request, body: dict[str, Any], req: CoreRequest) -> None:

@@ -52,6 +52,11 @@ class Metrics:
                                      "put into its replicas' prefix indexes from theirs (received), with shared state", ["direction"], registry=r)
         for d in ("sent", "received"):
             self.prefix_shared.labels(d)
+        self.tokenizer_tokens = Counter("slogate_tokenizer_tokens_total", "Chat prompt token ids with `prefix.tokenizer`: tokenized, or reused "
+                                        "from an earlier prompt sharing the text up to a special token (`prefix.token_cache`)",
+                                        ["how"], registry=r)
+        for h in ("tokenized", "reused"):
+            self.tokenizer_tokens.labels(h)
         self.kv_events = Counter("slogate_kv_events_total", "From the engines' KV-cache events (`backends[].kv_events`): blocks stored, "
                                  "removed, or not applied (unknown_parent, misaligned), clears, restarts, missed and undecodable batches, "
                                  "endpoints it could not connect to (connect_failed)",

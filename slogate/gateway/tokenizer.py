@@ -19,9 +19,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from slogate.gateway.token_cache import TokenCache
+
 
 class PromptTokenizer:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, cache_tokens: int = 0) -> None:
         from tokenizers import Tokenizer
 
         p = Path(path).expanduser()
@@ -40,6 +42,8 @@ class PromptTokenizer:
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
         self.specials = {k: _token_text(conf.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.template = _compile(template) if isinstance(template, str) else None
+        # A conversation's ids up to its last turn, kept to tokenize only what a call adds (token_cache.py).
+        self.cache = TokenCache(self.tok, cache_tokens) if cache_tokens > 0 else None
 
     def ids(self, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as vLLM computes them; None where the gateway cannot say (no
@@ -55,6 +59,8 @@ class PromptTokenizer:
                                             **self.specials, **kw)
             except Exception:  # a template that raises on this input: the engine will say why
                 return None
+            if self.cache is not None:
+                return self.cache.encode(text)
             return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         prompt = body.get("prompt")
         if isinstance(prompt, str):
