@@ -161,3 +161,55 @@ def test_the_gateway_places_by_what_the_engines_report_they_hold(tokenizer_dir: 
         _wait_for(lambda: metric(gw.url, "slogate_kv_events_total", backend=urls[0], kind="cleared") > 0, "the clear")
         c.completions.create(model=MODEL, prompt=prompts[0], max_tokens=2)
         assert cached(0) + cached(1) == before  # no replica is expected to hold it now
+
+
+def test_sglang_events_array_like_are_applied_and_a_page_of_one_token_is_refused() -> None:
+    """SGLang publishes the same events array-like (tag first, fields in order, trailing defaults
+    left out), one page per `BlockStored`."""
+    ids = list(range(500, 500 + 64))
+    want = token_block_hashes(ids, 16)[0]
+    cache = PrefixCache(1000)
+    eb = EngineBlocks(cache, 16)
+    # Two 16-token pages (`--page-size 16`), the second continuing the first; int64 hashes.
+    got = eb.apply([["BlockStored", [-7], None, ids[:16], 16, None, "GPU"],
+                    ["BlockStored", [42], -7, ids[16:32], 16]])  # lora_id and medium left out
+    assert got == {"stored": 2} and cache.match(want) == 2
+    assert eb.apply([["BlockRemoved", [42], "GPU"]]) == {"removed": 1} and cache.match(want) == 1
+    assert eb.apply([["AllBlocksCleared"]]) == {"cleared": 1} and cache.match(want) == 0
+    # SGLang's default page of one token: blocks smaller than the gateway's, not applied.
+    assert eb.apply([["BlockStored", [1], None, ids[:1], 1]]) == {"misaligned": 1} and eb.misaligned == 1
+    assert eb.apply([["Unknown", 1], 3, None]) == {}
+
+
+def test_the_gateway_places_by_an_sglang_engines_events(tokenizer_dir: Path) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    pub = Publisher()
+    try:
+        with ExitStack() as st:
+            engines = [st.enter_context(ServerThread(create_engine_app(MODEL))) for _ in range(2)]
+            urls = [e.url for e in engines]
+            raw = gateway_cfg(urls, prefix={"tokenizer": str(tokenizer_dir), "block_tokens": 16}).model_dump()
+            raw["backends"][1] |= {"kind": "sglang", "kv_events": f"tcp://{{host}}:{pub.port}"}
+            gw = st.enter_context(ServerThread(create_app(type(gateway_cfg(urls)).model_validate(raw))))
+            c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+            prompt = _prompt(7)
+            ids = tok.ids({"prompt": prompt})
+            assert ids is not None
+            pages = [ids[i:i + 32] for i in range(0, len(ids) // 32 * 32, 32)]
+
+            def publish() -> None:  # SGLang's form: [ts, events], each event array-like, one page each
+                events, parent = [], None
+                for k, page in enumerate(pages):
+                    events.append(["BlockStored", [1000 + k], parent, page, 32, None, "GPU"])
+                    parent = 1000 + k
+                pub.sock.send_multipart((b"", next(pub.seq).to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), events])))
+
+            _wait_for(lambda: publish() or metric(gw.url, "slogate_kv_events_total", backend=urls[1], kind="stored") > 0,
+                      "the SGLang engine's events")
+            before = metric(gw.url, "slogate_prefix_cached_tokens_total", backend=urls[1])
+            c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            # It went to the engine that holds it, expecting its whole pages cached.
+            assert metric(gw.url, "slogate_prefix_cached_tokens_total", backend=urls[1]) - before == 32 * len(pages)
+            assert metric(gw.url, "slogate_kv_events_total", backend=urls[1], kind="undecodable") == 0
+    finally:
+        pub.sock.close(linger=0)

@@ -54,7 +54,9 @@ class BackendConfig(_Strict):
     kv_cache_tokens: int | None = Field(None, ge=1, description="The replica's KV cache in tokens (bounds the gateway's picture of its prefix cache); "
                                         "default: read from vLLM's /metrics (`vllm:cache_config_info`), else `prefix.kv_tokens`.")
     kv_events: str | None = Field(None, description="ZMQ endpoint where the engine publishes its KV-cache events (vLLM: `--kv-events-config "
-                                  "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'`), e.g. "
+                                  "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}'`; SGLang: "
+                                  "`--kv-events-config '{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' --page-size 16`, a page "
+                                  "a multiple of `prefix.block_tokens`), e.g. "
                                   "`tcp://10.0.0.5:5557`; `{host}` stands for the replica's host (discovered replicas). The gateway's picture "
                                   "of its prefix cache then follows the engine's own stores, evictions and resets. Needs `prefix.tokenizer`. Unset, "
                                   "with `prefix.tokenizer`: asked of vLLM (`/kv_event_sources`), used where it publishes on every "

@@ -10,6 +10,11 @@ them: it re-hashes each stored block's token ids into its own chain, continuing 
 parent's state, so a block the engine holds becomes the same hashes `token_block_hashes` gives
 the prompt that would hit it. Removals and clears then take exactly those out.
 
+SGLang (`--kv-events-config`, the same ZMQ publisher and replay) sends the same three events,
+array-like (`["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]`, as vLLM did
+before 0.11), one page per `BlockStored`: its `--page-size` must be a multiple of
+`prefix.block_tokens` (the default page of 1 token is refused as "misaligned", logged once).
+
 Between dispatch and the engine's event (its prefill, a fraction of a second) the dispatch
 itself has put the prompt in the picture, as without events; what events add is the engine's
 evictions, clears, restarts and the requests other clients sent it.
@@ -32,6 +37,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slogate.gateway")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's replay: nothing more
+# Array-like events (SGLang; vLLM before 0.11): the tag, then the fields in this order (trailing
+# defaults may be left out).
+FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
+          "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
+
+
+def as_event(ev: Any) -> dict[str, Any] | None:
+    """An event as a map (vLLM ≥ 0.11's form), from either form; None: not one of the three."""
+    if isinstance(ev, dict):
+        return ev
+    if isinstance(ev, (list, tuple)) and ev and isinstance(ev[0], str) and ev[0] in FIELDS:
+        return {"type": ev[0], **dict(zip(FIELDS[ev[0]], ev[1:], strict=False))}
+    return None
 
 
 class EngineBlocks:
@@ -44,10 +62,12 @@ class EngineBlocks:
         # bounded in case removals are lost (a dropped batch): the oldest go first.
         self.chains: OrderedDict[Any, tuple[tuple[int, int], tuple[int, ...]]] = OrderedDict()
         self.bound = 4 * cache.capacity + 1024
+        self.misaligned: int | None = None  # the block size of the last event refused as not whole gateway blocks
 
     def stored(self, hashes: list[Any], parent: Any, token_ids: list[int], block_size: int) -> str | None:
         """Apply one `BlockStored`; the reason it could not be, else None."""
         if block_size % self.block_tokens:
+            self.misaligned = block_size
             return "misaligned"  # engine blocks must be whole gateway blocks
         if parent is None:
             state = ROOT
@@ -83,15 +103,18 @@ class EngineBlocks:
     def apply(self, events: list[Any]) -> dict[str, int]:
         """One batch's events (decoded msgpack); counts by kind."""
         n: dict[str, int] = {}
-        for ev in events:
-            kind = ev.get("type") if isinstance(ev, dict) else None
+        for raw in events:
+            ev = as_event(raw)
+            kind = ev.get("type") if ev is not None else None
             if kind == "BlockStored":
+                assert ev is not None
                 if ev.get("group_idx") not in (None, 0):
                     continue  # another KV-cache group (a hybrid model's sliding window): not the prefix cache
                 why = self.stored(ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"], int(ev["block_size"]))
                 k = why or "stored"
                 n[k] = n.get(k, 0) + len(ev["block_hashes"])
             elif kind == "BlockRemoved":
+                assert ev is not None
                 if ev.get("group_idx") not in (None, 0):
                     continue
                 self.removed(ev["block_hashes"])
@@ -155,6 +178,7 @@ class KVEventFeeds:
             # Subscribed first, then the replay: a batch published in between comes both ways.
             replayed = await self._replay(b, endpoint_for(b.kv_replay, b.cfg.url), blocks) if b.kv_replay else -1
             last: int | None = replayed if replayed >= 0 else None
+            warned = False
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) != 3:
@@ -179,6 +203,11 @@ class KVEventFeeds:
                     count.labels(b.name, "undecodable").inc()
                     continue
                 self._count(b, got)
+                if blocks.misaligned is not None and not warned:
+                    warned = True
+                    log.warning("replica %s: its KV-cache events come in blocks of %d tokens, not a multiple of prefix.block_tokens "
+                                "(%d): they are not applied (SGLang: start it with --page-size %d or a multiple)",
+                                b.name, blocks.misaligned, self.block_tokens, self.block_tokens)
         finally:
             sock.close(linger=0)
 
