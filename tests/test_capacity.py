@@ -159,6 +159,47 @@ def test_after_a_probing_cut_out_of_reach_is_found_and_doubled_between_updates()
     assert not calm.quick
 
 
+def test_slow_start_doubles_short_of_the_goal_where_more_streams_did_not_slow_them() -> None:
+    """Between the goal (0.85 × TBT) and the TBT, slow start neither doubled nor cut: in front of
+    engines making 48 ms a token at any batch under a 50 ms TBT a fresh gateway held 8 streams a
+    replica while its queue refused first tokens: a ramp's gaps all share prefills, so
+    `beyond_reach` (decode alone) had nothing to judge. Flat medians over n let it double; a
+    batch that costs (faster at fewer streams) still holds."""
+    flat = CapacityLearner(cap=256)
+    for n, gap in ((1, 0.047), (8, 0.048)):
+        for _ in range(5 if n == 1 else 40):
+            flat.observe(n, gap, decode_only=False)
+    assert flat.update(0.0, 0.050, 8) == 16 and flat.growing and not flat.out_of_reach
+    costly = CapacityLearner(cap=256)
+    for n, gap in ((1, 0.030), (8, 0.048)):
+        for _ in range(5 if n == 1 else 40):
+            costly.observe(n, gap, decode_only=False)
+    assert costly.update(0.0, 0.050, 8) == 8 and costly.growing  # at its goal's edge: held, as before
+    between = CapacityLearner(cap=256)  # the same between updates, on the gaps since the last doubling
+    for n, gap in ((1, 0.047), (8, 0.048)):
+        for _ in range(5 if n == 1 else 40):
+            between.observe(n, gap, decode_only=False)
+    between.last_update = 0.0
+    assert between.update(0.2, 0.050, 8) == 16
+
+
+def test_a_line_that_no_batch_meets_the_goal_by_does_not_put_the_replica_at_the_floor() -> None:
+    """A line whose intercept is above the goal (an engine at ~50 ms a token at any batch under a
+    50 ms TBT: 48 ms + 0.16 ms a stream) locates no knee; taken at its word it cut a replica
+    holding 16 to the floor, and its queue waited for 12 streams to drain."""
+    lr = CapacityLearner(cap=256, start=16)
+    for n in range(11, 17):
+        for _ in range(8):
+            lr.observe(n, 0.048 + 0.00016 * n, decode_only=False)
+    assert lr.update(0.0, 0.050, 16) >= 16
+    assert lr.fit is not None and lr.fit[0] > 0.0425  # the line was fitted, and says no n meets the goal
+    fast = CapacityLearner(cap=256, start=16)  # a line that does locate one still limits
+    for n in range(11, 17):
+        for _ in range(8):
+            fast.observe(n, 0.010 + 0.003 * n, decode_only=False)
+    assert fast.update(0.0, 0.050, 16) == 10
+
+
 def test_an_out_of_reach_verdict_outlives_its_faded_bin_until_the_engine_changes() -> None:
     """Held at 48 by the load, a replica sees no smaller n after its probe: the probe's decode is
     remembered, compared with the largest n's as it is renewed, and forgotten when they differ."""

@@ -296,7 +296,7 @@ class CapacityLearner:
                 self._excess = k * self._excess + sum(recent) - sum(a + b * n for n in recent_n)
                 self._held = k * self._held + sum(recent_n)
                 self.stall = max(0.0, self._excess / self._held)
-        limit = self._limit(goal)  # where slow start stops: the cap, or the line's n
+        limit = self._limit(goal, target_s)  # where slow start stops: the cap, or the line's n
         if self.fit is not None:
             seen = max(self.bins, default=1)
             # Trust the line where it has data; beyond it, grow a step at a time (an unseen n is
@@ -326,7 +326,7 @@ class CapacityLearner:
             self._afresh()
             self._probe = self._uncompared()
         elif self._growing:
-            if inflight >= self.budget and mean is not None and mean < goal and now - self._grown_at >= self.grow_every_s:
+            if inflight >= self.budget and mean is not None and self._fast(mean, goal, target_s) and now - self._grown_at >= self.grow_every_s:
                 self.budget = max(self.budget, min(limit, 2 * self.budget))  # slow start: doubles on a pace measured fast this second
                 self._grown_at = now
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
@@ -445,6 +445,25 @@ class CapacityLearner:
         its sweep lost 1–3 points of attainment."""
         return self._growing or self.out_of_reach or (self._probe and self._since_cut < PROBE_UPDATES)
 
+    def _fast(self, mean: float, goal: float, target_s: float) -> bool:
+        """Slow start may double on this mean gap: below the goal; or, short of it but within the
+        target, where the median gap is flat over the n seen (at the smallest n, with the largest
+        at least 1.25 × it, within 10% of the largest's): the streams keep their pace, and more of
+        them did not slow them. Holding still there (neither doubling nor cutting) kept a fresh
+        gateway at 8 streams a replica for 3 s in front of engines that make 50 ms a token at any
+        batch under a 50 ms TBT, then a cut drained 8 to 6 for 3 s more before `beyond_reach`
+        could judge, while 100 clients' first tokens waited (192 refusals in 15 s). A batch too
+        large decodes faster at fewer streams: not flat, and its pace past the target cuts."""
+        if mean < goal:
+            return True
+        if mean > target_s:
+            return False
+        seen = sorted((n, median(b.gaps)) for n, b in self.bins.items() if len(b.gaps) >= 3)
+        if len(seen) < 2:
+            return False
+        (n_lo, lo), (n_hi, hi) = seen[0], seen[-1]
+        return _apart(n_lo, n_hi) and lo >= 0.9 * hi
+
     def _uncompared(self) -> bool:
         """The decode bins hold no two n that `beyond_reach` could compare: a cut now is a probe."""
         seen = self._decode_medians()
@@ -466,19 +485,24 @@ class CapacityLearner:
         if self.beyond_reach(mean, goal, now):  # found between updates too: a probing cut lasts a tenth of a second, not one
             self.out_of_reach = True
             self.budget = min(self.cap, 2 * self.budget)
-        elif self._growing and mean < goal:
-            self.budget = max(self.budget, min(self._limit(goal), 2 * self.budget))
+        elif self._growing and self._fast(mean, goal, target_s):
+            self.budget = max(self.budget, min(self._limit(goal, target_s), 2 * self.budget))
         else:
             return
         self._grown_at, self._fresh = now, len(self.recent)
 
-    def _limit(self, goal: float) -> int:
+    def _limit(self, goal: float, target_s: float) -> int:
         """The budget the line allows: the largest n whose pace, prefills priced in, stays below
-        `goal`, within the floor and the cap; the cap where there is no line."""
-        if self.fit is None:
+        `goal`, within the floor and the cap; the cap where there is no line, or where its
+        intercept is at the goal or above while the pace is within the cut's bound (1.25 × the
+        target): no n meets the goal, yet the streams nearly keep their TBT, so the line locates
+        no knee, and a cut or `beyond_reach` decides. Taken at its word, such a line (48 ms +
+        0.16 ms a stream, fitted on an engine that makes 50 ms a token at any batch under a 50 ms
+        TBT) put a replica holding 16 streams at the floor, and its queue waited 3 s for them to
+        drain. Far slower than the target, the floor stays: every stream misses anyway."""
+        if self.fit is None or (self.fit[0] >= goal and (self.pace is None or self.pace <= 1.25 * target_s)):
             return self.cap
-        by_fit = int(self._n_at(goal)) if goal > self.fit[0] else 1
-        return max(self._least, min(by_fit, self.cap))
+        return max(self._least, min(int(self._n_at(goal)), self.cap))
 
     def _n_at(self, pace: float) -> float:
         """The n where the line, prefills priced in, puts the mean gap at `pace` (needs a line)."""
