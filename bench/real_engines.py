@@ -153,10 +153,16 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
         return p, url
     serve = [sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--port", str(port),
              "--log-level", os.environ.get("BENCH_GATEWAY_LOG", "warning")]
-    env = None
+    env, tree = None, None
     if "#" in system:  # slogate#TREE: the gateway from another source tree (an older commit's worktree), same sitting
         system, tree = system.split("#", 1)
         env = {**os.environ, "PYTHONPATH": tree}
+        # `python -c` puts its working directory first on sys.path: started from a checkout, the
+        # gateway imported that checkout's slogate, not TREE's. It runs in TREE, and says so.
+        where = subprocess.run([sys.executable, "-c", "import slogate; print(slogate.__file__)"], env=env, cwd=tree,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        if not Path(where).resolve().is_relative_to(Path(tree).resolve()):
+            raise SystemExit(f"slogate#{tree}: the gateway would import {where}, not that tree's")
     if system == "slogate" or system.startswith("slogate@"):  # what a user types: no config at all
         serve += [a for u in urls for a in ("--backend", u)] + GATEWAY_DEFAULT_FLAGS
         if "@" in system:  # a variant for a knob study: slogate@FILE.yaml (its backends are replaced)
@@ -170,7 +176,7 @@ def start_router(system: str, urls: list[str], tmp: Path) -> tuple[subprocess.Po
         serve += ["--config", str(path)]
     if os.environ.get("BENCH_GATEWAY_NICE"):  # a diagnosis: the gateway yields the CPU to the engines it shares it with
         serve = ["nice", "-n", os.environ["BENCH_GATEWAY_NICE"], *serve]
-    p = subprocess.Popen(serve, start_new_session=True, env=env)
+    p = subprocess.Popen(serve, start_new_session=True, env=env, cwd=tree)
     wait_http(f"{url}/health", timeout=60)
     return p, url
 
