@@ -99,8 +99,9 @@ class TokenCache:
             else:
                 ids = head + tail[1:]
                 ends = prev_ends + self._ends(ids, len(head))
-                if not self._check(text, ids):
-                    return self._whole(text)
+                whole = self._unverified(text, ids)
+                if whole is not None:
+                    return whole
                 self.hits += 1
                 self._count(len(tail) - 1, len(head))
         if len(ends) == len(keys):  # every boundary found in the ids, one for one: worth keeping
@@ -123,17 +124,20 @@ class TokenCache:
         b = self.boundary_ids
         return [k + 1 for k in range(frm, len(ids)) if ids[k] in b]
 
-    def _check(self, text: str, ids: list[int]) -> bool:
+    def _unverified(self, text: str, ids: list[int]) -> list[int] | None:
+        """While the first VERIFY reuses are checked: `text` tokenized whole where that differs
+        from `ids` (and the cache is then off for good); else None."""
         if self._verified >= VERIFY:
-            return True
-        whole = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+            return None
+        whole: list[int] = self.tok.encode_batch([text], add_special_tokens=False)[0].ids  # the check's: not counted
         if whole == ids:
             self._verified += 1
-            return True
+            return None
+        self._count(len(whole), 0)  # what the prompt needed after all
         self.enabled = False
         log.warning("prefix.tokenizer: reusing a prompt's ids up to a special token gave other ids than tokenizing it whole "
                     "(a tokenizer whose special tokens do not split the text); the token cache is off")
-        return False
+        return whole
 
     def _keep(self, ids: list[int], ends: list[int], keys: list[int]) -> None:
         e = _Entry(array("i", ids), ends, keys)

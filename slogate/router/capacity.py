@@ -370,7 +370,7 @@ class CapacityLearner:
         replicas at the floor while they held 48 streams (a second probe, and a queue)."""
         if pace < goal:
             return False
-        seen = self._decode_medians()
+        seen = self._medians()
         if not seen:
             return False
         (n_lo, lo), (n_hi, hi) = seen[0], seen[-1]
@@ -387,9 +387,11 @@ class CapacityLearner:
                 self._anchor = (n_lo, lo, now)
         return found
 
-    def _decode_medians(self) -> list[tuple[int, float]]:
-        """(n, median decode-only gap) for each n with at least 3 such gaps, by n."""
-        return sorted((n, median(b.decode)) for n, b in self.bins.items() if len(b.decode) >= 3)
+    def _medians(self, decode: bool = True) -> list[tuple[int, float]]:
+        """(n, median gap) for each n with at least 3 gaps, by n: of the gaps no prefill shared
+        (`beyond_reach`), or of all of them (`_fast`)."""
+        got = ((n, b.decode if decode else b.gaps) for n, b in self.bins.items())
+        return sorted((n, median(g)) for n, g in got if len(g) >= 3)
 
     def judge(self, ratio: float) -> None:
         """A stream finished here at a mean time per token of `ratio` × its TBT (`stream_pace`)."""
@@ -458,7 +460,7 @@ class CapacityLearner:
             return True
         if mean > target_s:
             return False
-        seen = sorted((n, median(b.gaps)) for n, b in self.bins.items() if len(b.gaps) >= 3)
+        seen = self._medians(decode=False)
         if len(seen) < 2:
             return False
         (n_lo, lo), (n_hi, hi) = seen[0], seen[-1]
@@ -466,7 +468,7 @@ class CapacityLearner:
 
     def _uncompared(self) -> bool:
         """The decode bins hold no two n that `beyond_reach` could compare: a cut now is a probe."""
-        seen = self._decode_medians()
+        seen = self._medians()
         return not seen or not _apart(seen[0][0], seen[-1][0])
 
     def _grow_between(self, now: float, target_s: float | None, inflight: int) -> None:
