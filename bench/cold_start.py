@@ -17,26 +17,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_overhead import MODEL, closed_loop, wait_up
+from gateway_overhead import closed_loop
 
+from slogate.testing.fleet import start_engines
 from slogate.testing.ports import free_port
-from slogate.testing.procs import spawn, stop
+from slogate.testing.procs import slogate, stop, wait_http
 
 
 def one_run(a: argparse.Namespace) -> dict:
-    procs = []
+    procs, urls = start_engines(a.engines, a.ttft_ms, a.itl_ms)
     try:
-        urls = []
-        for _ in range(a.engines):
-            p = free_port()
-            procs.append(spawn(["slogate", "engine", "--port", str(p), "--model", MODEL, "--fixed-ttft-ms", str(a.ttft_ms),
-                                "--fixed-itl-ms", str(a.itl_ms)]))
-            urls.append(f"http://127.0.0.1:{p}")
-        for u in urls:
-            wait_up(u + "/health")
         gp = free_port()
-        procs.append(spawn(["slogate", "serve", *[x for u in urls for x in ("--backend", u)], "--port", str(gp), "--log-level", "warning"]))
-        wait_up(f"http://127.0.0.1:{gp}/health")
+        procs.append(slogate("serve", *[x for u in urls for x in ("--backend", u)], "--port", str(gp), "--log-level", "warning"))
+        wait_http(f"http://127.0.0.1:{gp}/health")
         stagger = (a.ttft_ms + a.tokens * a.itl_ms) / 1e3  # clients start over one request's length
         return asyncio.run(closed_loop(f"http://127.0.0.1:{gp}/v1/chat/completions", a.concurrency, a.duration, a.tokens, {}, stagger))
     finally:

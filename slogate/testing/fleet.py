@@ -28,8 +28,8 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_fleet(engines: int, budget: int, ttft_ms: float, itl_ms: float, extra_cfg: dict | None = None,
-                engine_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], subprocess.Popen, str, Path]:
+def start_engines(engines: int, ttft_ms: float, itl_ms: float, engine_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[str]]:
+    """`engines` simulated engines, fixed-latency unless `engine_args` says otherwise, up and serving."""
     procs, urls = [], []
     for _ in range(engines):
         p = free_port()
@@ -38,6 +38,12 @@ def start_fleet(engines: int, budget: int, ttft_ms: float, itl_ms: float, extra_
         urls.append(f"http://127.0.0.1:{p}")
     for u in urls:
         wait_http(f"{u}/v1/models")
+    return procs, urls
+
+
+def start_fleet(engines: int, budget: int, ttft_ms: float, itl_ms: float, extra_cfg: dict | None = None,
+                engine_args: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], subprocess.Popen, str, Path]:
+    procs, urls = start_engines(engines, ttft_ms, itl_ms, engine_args)
     cfg = {"backends": [{"url": u, "name": f"e{i}", "models": [MODEL], "budget": budget} for i, u in enumerate(urls)],
            "max_queue": 5000, **(extra_cfg or {})}
     path = Path(tempfile.mkdtemp()) / "gw.yaml"
