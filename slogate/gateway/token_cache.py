@@ -86,30 +86,30 @@ class TokenCache:
                 i, (e, j) = found
                 self._entries.move_to_end(id(e))
                 head, prev_ends = e.ids[:e.ends[j]].tolist(), e.ends[:j + 1]
-        if found is None:
+        tail: list[int] = []
+        if found is not None:
+            tail = self._encode(text[spans[i][0]:])  # from its boundary's special token on
+        if tail and tail[0] == head[-1]:  # the boundary tokenized as itself: reuse up to it
+            ids = head + tail[1:]
+            ends = prev_ends + self._ends(ids, len(head))
+            whole = self._unverified(text, ids)
+            if whole is not None:
+                return whole
+            self.hits += 1
+            self._count(len(tail) - 1, len(head))
+        else:
             ids = self._whole(text)
             ends = self._ends(ids, 0)
-        else:
-            start, end = spans[i]
-            sentinel = text[start:end]
-            tail = self.tok.encode_batch([sentinel + text[end:]], add_special_tokens=False)[0].ids
-            if not tail or tail[0] != head[-1]:  # the boundary did not tokenize as itself: no reuse
-                ids = self._whole(text)
-                ends = self._ends(ids, 0)
-            else:
-                ids = head + tail[1:]
-                ends = prev_ends + self._ends(ids, len(head))
-                whole = self._unverified(text, ids)
-                if whole is not None:
-                    return whole
-                self.hits += 1
-                self._count(len(tail) - 1, len(head))
         if len(ends) == len(keys):  # every boundary found in the ids, one for one: worth keeping
             self._keep(ids, ends, keys)
         return ids
 
-    def _whole(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         ids: list[int] = self.tok.encode_batch([text], add_special_tokens=False)[0].ids  # encode_batch releases the GIL
+        return ids
+
+    def _whole(self, text: str) -> list[int]:
+        ids = self._encode(text)
         self._count(len(ids), 0)
         return ids
 
@@ -129,7 +129,7 @@ class TokenCache:
         from `ids` (and the cache is then off for good); else None."""
         if self._verified >= VERIFY:
             return None
-        whole: list[int] = self.tok.encode_batch([text], add_special_tokens=False)[0].ids  # the check's: not counted
+        whole = self._encode(text)  # the check's own tokenizing: not counted
         if whole == ids:
             self._verified += 1
             return None

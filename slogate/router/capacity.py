@@ -378,7 +378,7 @@ class CapacityLearner:
             n_lo, lo = self._anchor[0], self._anchor[1]  # the bins alone compare nothing: the memory does
         if not _apart(n_lo, n_hi):
             return False
-        found = lo >= goal and lo >= 0.9 * hi
+        found = lo >= goal and _no_faster(lo, hi)
         if now is not None:
             # A comparison made: remember a verdict (its clock restarts while the bins make it), forget a refuted one.
             if not found:
@@ -464,7 +464,7 @@ class CapacityLearner:
         if len(seen) < 2:
             return False
         (n_lo, lo), (n_hi, hi) = seen[0], seen[-1]
-        return _apart(n_lo, n_hi) and lo >= 0.9 * hi
+        return _apart(n_lo, n_hi) and _no_faster(lo, hi)
 
     def _uncompared(self) -> bool:
         """The decode bins hold no two n that `beyond_reach` could compare: a cut now is a probe."""
@@ -534,6 +534,12 @@ class CapacityLearner:
         puts the pace at the target itself (needs a line)."""
         assert self.fit is not None
         return min(int(self._n_at(target_s)) if target_s > self.fit[0] else 0, self.cap)
+
+
+def _no_faster(lo: float, hi: float) -> bool:
+    """The gap at the fewer streams `lo` is within 10% of the gap at the more `hi`: fewer streams
+    made no visible difference (`beyond_reach`, `_fast`)."""
+    return lo >= 0.9 * hi
 
 
 def _apart(n_lo: int, n_hi: int) -> bool:
