@@ -105,16 +105,16 @@ class EngineBlocks:
         n: dict[str, int] = {}
         for raw in events:
             ev = as_event(raw)
-            kind = ev.get("type") if ev is not None else None
+            if ev is None:
+                continue
+            kind = ev.get("type")
             if kind == "BlockStored":
-                assert ev is not None
                 if ev.get("group_idx") not in (None, 0):
                     continue  # another KV-cache group (a hybrid model's sliding window): not the prefix cache
                 why = self.stored(ev["block_hashes"], ev.get("parent_block_hash"), ev["token_ids"], int(ev["block_size"]))
                 k = why or "stored"
                 n[k] = n.get(k, 0) + len(ev["block_hashes"])
             elif kind == "BlockRemoved":
-                assert ev is not None
                 if ev.get("group_idx") not in (None, 0):
                     continue
                 self.removed(ev["block_hashes"])
