@@ -283,6 +283,33 @@ def test_slow_start_on_a_second_of_stalls_keeps_the_budget_and_ends() -> None:
     assert second(wider, 0.0, knee, 6) == 8 and not wider.growing
 
 
+def test_after_slow_start_a_second_of_stalls_without_a_line_is_no_cut() -> None:
+    """Seconds from a fresh gateway's log (real vLLM, guidellm at 0.5 req/s): slow start ended on
+    stalls, then a replica holding 2 streams had a second of 62 gaps at a median of 20.6 ms, mean
+    72 ms from one prefill of 1.28 s. It was cut from 8 to the floor, and bursts waited for slots.
+    Now, with no line yet, such a second keeps the budget; a second whose batch is slow still cuts."""
+    def second(lr: CapacityLearner, t: float, gaps: list[float], n: int) -> int:
+        for g in gaps:
+            lr.observe(n, g / 1000)
+        return lr.update(t, 0.050, n)
+
+    stalls = [20.6] * 58 + [1282.0] * 3
+    lr = CapacityLearner(cap=64)
+    assert second(lr, 0.0, [19.0] * 18 + [1500.0], 2) == 8 and not lr.growing  # slow start ends on stalls
+    assert second(lr, 1.0, stalls, 2) == 8  # was 4
+    assert lr.fit is None
+    assert second(lr, 2.0, [30.0] * 40 + [200.0], 6) == 8  # this second met the target; its smoothed pace (68 ms) did not: held, was cut to 4
+    batch = CapacityLearner(cap=64)
+    second(batch, 0.0, [19.0] * 18 + [1500.0], 2)
+    assert second(batch, 1.0, [60.0] * 40, 8) == 6  # the batch itself slow: cut to 0.8 × 8
+    few = CapacityLearner(cap=64)  # 3 streams, median 26.5 ms (above half the goal), mean 88 ms: the floor's streams
+    second(few, 0.0, [19.0] * 18 + [1500.0], 2)
+    assert second(few, 1.0, [26.5] * 15 + [543.0] * 2, 3) == 8
+    cut = CapacityLearner(cap=64, on_stalls="cut")  # the rule before, kept as a knob
+    second(cut, 0.0, [19.0] * 18 + [1500.0], 2)
+    assert cut.budget == 4
+
+
 def test_the_pace_streams_can_afford_follows_their_slack() -> None:
     from slogate.router.capacity import affordable_pace
     from slogate.router.request import SLO, Request
