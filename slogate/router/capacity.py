@@ -21,7 +21,8 @@ The budget is the largest n with a + (b + s)·n ≤ margin · target. A fresh re
 stalls rather than by its batch (slow start). Then, until
 the line is trustworthy (four distinct n over a span of four, a positive slope), and for n beyond
 what it has seen, the budget moves additively: +1 while the replica is full and fast. Whenever the
-smoothed mean pace exceeds the target it drops to 0.8 × what the replica holds (AIMD); neither
+smoothed mean pace exceeds the target, on a second whose batch was slow too (its median gap; a
+second slow only by a prefill's stall is no cut), it drops to 0.8 × what the replica holds (AIMD); neither
 this nor the line takes it below a floor of 4 (a replica holding fewer is slow by its prefills,
 not its batch; a line fitted in the first burst put one replica at 2 beside its peer at 48), so it
 finds the knee even on an engine nobody profiled; with a line, only on the pace over ~20 s
