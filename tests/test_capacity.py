@@ -467,3 +467,30 @@ def test_the_bins_summary_shows_what_the_line_is_fitted_on() -> None:
         for g in gaps:
             lr.observe(n, g)
     assert lr.bins_summary() == {2: (21.5, 4.0), 5: (30.0, 3.0)}
+
+
+def test_prefills_priced_by_the_arrivals_where_the_demand_leaves_the_replica_not_full() -> None:
+    """`price_by_arrivals`: the line of a replica at 0.25 req/s on real vLLM (15 ms + 4 ms a
+    stream, prefills 2.3 ms a stream held, 2 streams on average) allows 4.4 streams priced per
+    stream; past the demand a stream more costs the decode step alone (5.7 here, within the 6
+    measured). A refusal in the last seconds, or a demand near the line's n, keeps the per-stream price."""
+    def learner(**kw) -> CapacityLearner:
+        lr = CapacityLearner(cap=48, **kw)
+        lr.fit, lr.stall, lr.load = (0.015, 0.004), 0.0023, 2.0
+        for n in range(1, 7):
+            lr.observe(n, 0.015 + 0.004 * n)
+        return lr
+
+    per_stream = learner()._n_at(0.0425)
+    assert abs(per_stream - 27.5 / 6.3) < 1e-6
+    on = learner(price_by_arrivals=True)
+    assert abs(on._n_at(0.0425) - (42.5 - 15 - 4.6) / 4) < 1e-6
+    assert learner(price_by_arrivals=True)._n_at(0.05) == 6  # 7.6 by the arrivals, but never past the n measured
+    full = learner(price_by_arrivals=True)
+    full.load = 4.0  # the demand fills what the line allows: a replica kept full
+    assert full._n_at(0.0425) == per_stream
+    turned = learner(price_by_arrivals=True)
+    turned.update(0.0, 0.05, 2, refused=2.0)  # two requests refused: demand the load does not show
+    assert turned.refused > 0.05
+    turned.fit, turned.stall, turned.load = (0.015, 0.004), 0.0023, 2.0
+    assert turned._n_at(0.0425) == per_stream

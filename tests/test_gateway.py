@@ -134,7 +134,8 @@ def test_health(fleet) -> None:
 def test_waiting_time_and_full_queue_refuse_with_retry_after() -> None:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL)))
-        gw = st.enter_context(ServerThread(create_app(gateway_cfg([eng.url], budget=1, max_queue=2, policies={"ordering": "fcfs", "placement": "least-load", "frame_s": 0.05}))))
+        app = create_app(gateway_cfg([eng.url], budget=1, max_queue=2, policies={"ordering": "fcfs", "placement": "least-load", "frame_s": 0.05}))
+        gw = st.enter_context(ServerThread(app))
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "ignore_eos": True,
                 "slo": {"deadline_ms": 60000, "waiting_ms": 150}}
         results: list[httpx.Response] = []
@@ -154,6 +155,8 @@ def test_waiting_time_and_full_queue_refuse_with_retry_after() -> None:
         assert len(refused) >= 3 and all(int(r.headers["retry-after"]) >= 1 for r in refused)
         assert {r.json()["error"]["type"] for r in refused} <= {"rate_limit_error", "overloaded_error"}
         assert 503 in codes and 429 in codes  # queue full, then not admitted within 150 ms
+        # The scheduler's refusals (429) reach the learners as demand turned away (price_by_arrivals' guard).
+        assert app.state.gateway.fleet.refused == codes.count(429)
 
 
 def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue() -> None:

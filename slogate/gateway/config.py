@@ -215,6 +215,11 @@ class CapacityConfig(_Strict):
                                       "of their mean TPOT is below 0.9 × their TBT (a token that broke the per-token timeline counts "
                                       "as 1 ×), down while it is above 0.97 × (false: the margin stays `margin`). Off by default: on "
                                       "real vLLM it tied the fixed margin (docs/benchmarks.md, sittings AV–AX).")
+    price_by_arrivals: bool = Field(LearnerKnobs.price_by_arrivals, description="Price the prefills that stall a replica's streams by "
+                                    "the arrivals' rate, not per stream held, where its demand over ~10 s is below 0.75 × the n its line "
+                                    "allows and no request was refused: a stream more in a burst then costs the decode step alone, so "
+                                    "bursts are not held at a budget set for a replica kept full. Off by default: not yet shown to win "
+                                    "at and past the knee (docs/benchmarks.md, sitting G20d).")
     absorb: bool = Field(LearnerKnobs.absorb, description="A latency request that would lose its first token waiting for a slot, "
                          "with no slot lent anywhere, goes beyond the budget to a replica where every stream running on time "
                          "stays on time with its prefill and its share of the batch added (mean TPOT and the per-token "

@@ -110,6 +110,8 @@ class Fleet:
         self._rids = itertools.count()
         self.failed = asyncio.Event()  # a replica failed a check: discovery looks again at once (a pod replaced)
         self.queued: Callable[[], int] = lambda: 0  # requests with an SLO waiting for a slot (the handler's queues)
+        self.refused = 0  # requests refused by the admission queues (the handler's hooks count them)
+        self._refused_seen = 0  # of those, what the learners were told
         for b in cfg.backends:
             if not b.discovered:
                 self.add(b, checked=True)
@@ -365,13 +367,15 @@ class Fleet:
         """Each replica's budget: the learned SLO-safe concurrency (capped by the configured
         budget), less what other clients run there; none while its KV cache is full."""
         now = time.monotonic()
-        queued = self.queued() / max(1, sum(b.view.healthy for b in self.backends))
+        healthy = max(1, sum(b.view.healthy for b in self.backends))
+        queued = self.queued() / healthy
+        refused, self._refused_seen = (self.refused - self._refused_seen) / healthy, self.refused
         for b in self.backends:
             v = b.view
             ext = int(b.external + 0.5)
             learned = b.cfg.budget
             if b.learner is not None:
-                learned = learned_budget(b.learner, v, now, ext, queued)
+                learned = learned_budget(b.learner, v, now, ext, queued, refused)
                 self.metrics.margin.labels(b.name).set(b.learner.margin_now)
                 if log.isEnabledFor(logging.DEBUG):
                     lr = b.learner

@@ -75,8 +75,8 @@ def _file_stamp(path: Path | None) -> tuple[int, int, int] | None:
 class _Hooks(AdmissionHooks):
     """A model's admission queue reports to the metrics and to the shared state."""
 
-    def __init__(self, model: str, metrics: Metrics, state: StateSync) -> None:
-        self.model, self.metrics, self.state = model, metrics, state
+    def __init__(self, model: str, metrics: Metrics, state: StateSync, fleet: Fleet) -> None:
+        self.model, self.metrics, self.state, self.fleet = model, metrics, state, fleet
         self.shared = state.shared
 
     async def confirm(self, t: Ticket) -> bool:
@@ -84,6 +84,7 @@ class _Hooks(AdmissionHooks):
 
     def refused(self, t: Ticket, reason: str) -> None:
         self.metrics.shed.labels(self.model, reason).inc()
+        self.fleet.refused += 1  # demand turned away: the learners' guard (CapacityLearner.price_by_arrivals)
 
     def decided(self, seconds: float) -> None:
         self.metrics.decision.observe(seconds)
@@ -173,7 +174,7 @@ class Gateway:
                 sched = Scheduler(make_ordering(p.ordering, seed=p.seed, **p.params), make_placement(p.placement, seed=p.seed, **p.placement_params),
                                   at_risk_s=self.cfg.capacity.overdraft_within_s, resume_within_s=p.resume_within_s,
                                   absorb=self.cfg.capacity.absorb and self.cfg.capacity.learn, absorb_by=self.cfg.capacity.absorb_by)
-                self.groups[m] = adm = Admission(sched, [], hooks=_Hooks(m, self.metrics, self.state), max_queue=self.cfg.max_queue,
+                self.groups[m] = adm = Admission(sched, [], hooks=_Hooks(m, self.metrics, self.state, self.fleet), max_queue=self.cfg.max_queue,
                                                  frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)
                 adm.start()
         for m, adm in self.groups.items():

