@@ -191,7 +191,7 @@ class CapacityConfig(_Strict):
                              "running fleet begins at its peers' learned budget either way. With shared state (`state.kind: redis`) slow start "
                              "begins no lower than what all gateways already hold at the replica.")
     slow_start_budget: int = Field(LearnerKnobs.slow_start_budget, ge=1, description="The budget slow start begins a replica at (within `backends[].budget`).")
-    on_stalls: Literal["cut", "end"] = Field(LearnerKnobs.on_stalls, description="What the learner does, before it has a decode line, on a second whose mean inter-token "
+    on_stalls: Literal["cut", "end"] = Field(LearnerKnobs.on_stalls, description="What the learner does, in slow start and after it until it has a decode line, on a second whose mean inter-token "
                                             "gap is over the target but whose median is below `stalls_below` of the goal (at no more streams than the floor, "
                                             "below the goal) or which itself met the target (stalls: a burst's prefills, the host busy elsewhere): end slow "
                                             "start and keep the budget, or cut it as on any slow second.")

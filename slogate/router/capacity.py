@@ -655,8 +655,8 @@ def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, exte
     """One learning step for a replica, the same in the gateway and the simulator: the pace its
     latency streams can afford now is the target, and what it holds (plus `external` requests
     that other clients run there) is the n the recent gaps were measured at; `queued`: the
-    replica's share of the requests with an SLO waiting for a slot; `refused`: its share of those
-    refused since the last call. What it may admit is the
+    replica's share of the requests with an SLO waiting for a slot; `refused`: its share of the
+    requests refused since the last call. What it may admit is the
     budget plus the slots a burst may take (`lend_in_bursts`)."""
     for ratio in view.finished_paces:
         learner.judge(ratio)
