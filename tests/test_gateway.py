@@ -155,8 +155,10 @@ def test_waiting_time_and_full_queue_refuse_with_retry_after() -> None:
         assert len(refused) >= 3 and all(int(r.headers["retry-after"]) >= 1 for r in refused)
         assert {r.json()["error"]["type"] for r in refused} <= {"rate_limit_error", "overloaded_error"}
         assert 503 in codes and 429 in codes  # queue full, then not admitted within 150 ms
-        # The scheduler's refusals (429) reach the learners as demand turned away (price_by_arrivals' guard).
-        assert app.state.gateway.fleet.refused == codes.count(429)
+        # Every refusal, the scheduler's (429) and a full queue's (503), reaches the learners as demand
+        # turned away (price_by_arrivals' guard).
+        assert app.state.gateway.fleet.refused == codes.count(429) + codes.count(503)
+        assert {r.json()["error"]["code"] for r in refused if r.status_code == 503} == {"queue_full"}
 
 
 def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue() -> None:

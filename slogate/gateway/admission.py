@@ -150,7 +150,7 @@ class Admission:
         if not any(v.healthy for v in self.views):
             raise APIError(503, "no healthy backend replica", retry_after=2.0)
         if len(self.waiting) >= self.max_queue:
-            raise APIError(503, f"the gateway queue is full ({self.max_queue} waiting)", retry_after=self.retry_after())
+            raise APIError(503, f"the gateway queue is full ({self.max_queue} waiting)", code="queue_full", retry_after=self.retry_after())
         now = self.clock()
         t = Ticket(req, asyncio.get_running_loop().create_future(), now + waiting_s)
         if self.predictor is not None and prompt is not None:
@@ -202,6 +202,8 @@ class Admission:
         gap = self.lifecycle.tokens(t.req, n, now)
         if first:
             self.hooks.first_token(t)
+            if log.isEnabledFor(logging.DEBUG) and t.req.dispatched_at is not None:
+                log.debug("first token %d on %d: %.3f s after dispatch", t.req.rid, t.replica, now - t.req.dispatched_at)
         if t.track is not None and t.req.generated - t.last_refine >= self.refine_every:
             t.last_refine = t.req.generated
             self._to_predict[t.req.rid] = t  # refined with the next decision's batch
@@ -294,6 +296,12 @@ class Admission:
             return
         t.fut.set_result(rid)
         self.lifecycle.dispatched(req, now)  # `claim` set its replica and dispatch time
+        if log.isEnabledFor(logging.DEBUG):  # where it went and what each replica held (placement's inputs)
+            log.debug("dispatch %d (%d tokens, bound %.0f) to %d after %.3f s waiting; replicas: %s", req.rid, req.context_tokens,
+                      req.remaining_bound, rid, now - req.arrival,
+                      "; ".join(f"{v.rid}: {len(v.prefill_queue)} prefilling, backlog {v.prefill_backlog(now):.3f} s, "
+                                f"{v.n_decode} decoding, overlap {v.overlap(req):.2f}, own prefill {v.prefill_cost(req):.3f} s"
+                                for v in self.views))
 
     def preempt(self, req: Request) -> bool:
         """Stop `req`'s stream on its replica; it waits again and continues from its text so far

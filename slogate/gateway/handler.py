@@ -384,6 +384,8 @@ class Gateway:
             ex.ticket = await ex.adm.acquire(req, ex.res.waiting_s, prompt)
         except APIError as e:
             m.requests.labels(*ex.labels, "refused_429" if e.status == 429 else "refused_503" if e.status == 503 else "error").inc()
+            if e.code == "queue_full":  # demand turned away too (the scheduler's own refusals count in its hook)
+                self.fleet.refused += 1
             raise
         m.queue_wait.labels(*ex.labels).observe(time.monotonic() - arrived)
         ex.first_bound = req.len_bound

@@ -22,12 +22,15 @@ rule over the prefill pool, and the decode replica with the most free KV blocks.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Literal
 
 from slogate.router.placement.base import PlacementPolicy
 from slogate.router.request import Request, SLOClass
 from slogate.router.view import ReplicaView, fleet_stream_cost
+
+log = logging.getLogger("slogate.placement")
 
 
 def first_token_budget(req: Request, now: float, v_token: float) -> float:
@@ -105,6 +108,9 @@ class GoRouting(PlacementPolicy):
             hits.append(c)
         d_max = max(deltas)
         if d_max <= 0:  # nobody meets it: the earliest first token, its cached prefix counted
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("place %d: no gain anywhere (deltas %s), exec %s", req.rid, [round(d, 2) for d in deltas],
+                          [round(p.estimate_exec(now, req), 3) for p in pool])
             return self.argmin_random_ties(pool, lambda p: p.estimate_exec(now, req))
         # Among replicas where the goodput arithmetic finds it (nearly) as good, the one holding
         # most of its prompt: the prefill it saves is bandwidth every later request gets. The
@@ -118,6 +124,9 @@ class GoRouting(PlacementPolicy):
         else:  # every replica that is not heavy counts as light: balance, never pack. Each stream's
             # pace follows its engine's batch (guidellm and our client against round robin, measured)
             light = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("place %d: d_max %.2f, hits %s, candidates %s, light %s, exec %s, slo %.3f", req.rid, d_max, hits,
+                      [p.rid for p in cands], [p.rid for p in light], [round(p.estimate_exec(now, req), 3) for p in pool], slo)
         if light:
             # The lightest by when req's answer would be done: the prefill queued ahead of it and
             # the batch it would decode in over its life, streams about to end counting for little
