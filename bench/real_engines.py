@@ -313,6 +313,26 @@ def engine_cpu() -> list[tuple[float, float]]:
     return out
 
 
+ENGINE_LATENCY = ("vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds")
+
+
+def engine_latency(engines: list[str]) -> list[tuple[float, float]] | None:
+    """The engines' own (sum, count) of first-token times (from a request's arrival at the engine)
+    and of each request's mean time per output token, summed over the engines: what the engines
+    did, beside what the client saw through the router (None: not scraped)."""
+    out = [[0.0, 0.0] for _ in ENGINE_LATENCY]
+    try:
+        with httpx.Client(timeout=30) as c:  # a busy engine's API server answers slowly
+            for u in engines:
+                text = c.get(f"{u}/metrics").text
+                for i, name in enumerate(ENGINE_LATENCY):
+                    out[i][0] += sum(v for _, v in samples(text, f"{name}_sum"))
+                    out[i][1] += sum(v for _, v in samples(text, f"{name}_count"))
+    except httpx.HTTPError:
+        return None
+    return [(a, b) for a, b in out]
+
+
 class Routed:
     """A router under test: its URL, its CPU use per wall second from start to `done()`, the
     batches its placement gave the engines (each engine's running requests, sampled), and, for
@@ -322,6 +342,9 @@ class Routed:
         self.proc, self.url = proc, url
         self._cpu0, self._t0 = cpu_s(proc.pid), time.monotonic()
         self._engines0 = engine_cpu()
+        self._engines = list(engines)
+        self._latency0 = engine_latency(self._engines) if engines else None
+        self.engine_side: dict[str, float | None] = {}
         self.wall_s = self.cpu_share = 0.0
         self.engine_cpu: list[list[float]] = []  # per engine: [API server, EngineCore] CPU share of one core
         self.running: list[list[float]] = []  # per sample, each engine's vllm:num_requests_running
@@ -362,6 +385,13 @@ class Routed:
         self.engine_cpu = [[round((a1 - a0) / self.wall_s, 3), round((c1 - c0) / self.wall_s, 3)]
                            for (a0, c0), (a1, c1) in zip(self._engines0, engine_cpu(), strict=False)]
         self._stop.set()
+        after = engine_latency(self._engines) if self._latency0 is not None else None
+        if after is not None and self._latency0 is not None:
+            (t0, n0), (p0, m0) = self._latency0
+            (t1, n1), (p1, m1) = after
+            # The engine's side of the client's TTFT and TPOT: the rest is the router's and the hop's.
+            self.engine_side = {"engine_ttft_mean_ms": round(1000 * (t1 - t0) / (n1 - n0), 1) if n1 > n0 else None,
+                                "engine_tpot_mean_ms": round(1000 * (p1 - p0) / (m1 - m0), 2) if m1 > m0 else None}
 
     def batches(self) -> dict[str, float | None]:
         """The batch a generated token saw on average (Σr²/Σr over samples and engines: what
@@ -435,7 +465,9 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "ideal_output_tokens": round(sum(r["n_out"] for r in res) / duration, 1),
             "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "tpot_p50": pct(tpots, 0.5), "tpot_p90": pct(tpots, 0.9),
             "gap_p95": pct(gaps, 0.95), "gap_p99": pct(gaps, 0.99),
+            "ttft_mean": round(sum(ttft) / len(ttft), 4) if ttft else None, "tpot_mean": round(sum(tpots) / len(tpots), 5) if tpots else None,
             "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, "wall_s": round(rt.wall_s, 1), **rt.batches(),
+            **rt.engine_side,
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None,
             "budget_per_second": budgets or None, "shed": shed, "absorbed": absorbed,  # where a run's budget settles, and when (the knee's wrong refusals)
             "state_per_second": state or None,  # [budget, overdraft, in flight, queued], fleet sums
@@ -486,6 +518,10 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
         v = (((m.get(name) or {}).get("successful") or {}).get("percentiles") or {}).get(q)
         return round(v, 1) if v is not None else None
 
+    def mean(name: str) -> float | None:
+        v = ((m.get(name) or {}).get("successful") or {}).get("mean")
+        return round(v, 1) if v is not None else None
+
     return {"client": "guidellm", "system": system, "rate": rate, "sent": n, "successful": len(ok),
             "errored": len(reqs["errored"]), "incomplete": len(reqs["incomplete"]),
             "errors": [str((q.get("info") or {}).get("error"))[:200] for q in reqs["errored"]][:5],
@@ -496,7 +532,8 @@ def guidellm_one(system: str, urls: list[str], rate: float, duration: float, tmp
             "itl_p50_ms": p("inter_token_latency_ms", "p50"), "itl_p90_ms": p("inter_token_latency_ms", "p90"),
             "itl_p99_ms": p("inter_token_latency_ms", "p99"), "tpot_p50_ms": p("time_per_output_token_ms", "p50"),
             "duration_s": round(dur, 1), "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, "guidellm_reruns": reruns,
-            "flooded": flooded, **rt.batches(), "state_per_second": rt.state or None, "replica_state": rt.replicas or None,
+            "ttft_mean_ms": mean("time_to_first_token_ms"), "tpot_mean_ms": mean("time_per_output_token_ms"),
+            "flooded": flooded, **rt.batches(), **rt.engine_side, "state_per_second": rt.state or None, "replica_state": rt.replicas or None,
             "engine_running": rt.running}
 
 
@@ -536,6 +573,7 @@ def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, t
             ok += 1
             good_tokens += n
     sent = len(d["ttfts"])
+    ok_n = sum(1 for e in d["errors"] if not e)
     return {"client": "vllm-bench", "system": system, "rate": rate, "sent": sent, "successful": d["completed"], "errored": d["failed"],
             "incomplete": 0, "slo_attainment": round(ok / max(sent, 1), 3), "goodput_tokens": round(good_tokens / d["duration"], 1),
             "goodput_requests_vllm": d.get("request_goodput"),
@@ -543,7 +581,10 @@ def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, t
             "ttft_p90_ms": pct([1000 * x for x, e in zip(d["ttfts"], d["errors"], strict=False) if not e], 0.9),
             "itl_p50_ms": pct([1000 * g for it in d["itls"] for g in it], 0.5), "itl_p90_ms": pct([1000 * g for it in d["itls"] for g in it], 0.9),
             "itl_p99_ms": pct([1000 * g for it in d["itls"] for g in it], 0.99), "tpot_p50_ms": pct([1000 * t for t in tpots], 0.5),
-            "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, **rt.batches()}
+            "ttft_mean_ms": round(1000 * sum(x for x, e in zip(d["ttfts"], d["errors"], strict=False) if not e) / max(ok_n, 1), 1),
+            "tpot_mean_ms": round(1000 * sum(tpots) / len(tpots), 1) if tpots else None,
+            "duration_s": round(d["duration"], 1), "router_cpu_share": round(rt.cpu_share, 3), "engine_cpu": rt.engine_cpu, **rt.batches(),
+            **rt.engine_side}
 
 
 def report_guidellm(rows: list[dict], scale: float = 1.0) -> list[str]:

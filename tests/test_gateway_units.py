@@ -287,3 +287,29 @@ def test_a_stream_is_counted_by_token_ids_only_where_they_cover_its_whole_answer
     assert got["prompt"] == [1, 2, 3, 5, 6] and not got["stream_options"].get("continuous_usage_stats"), got
     b.gives_ids = False  # not yet seen to give ids: the usage counts
     assert asked(Exchange("chat", None, None, None, ("m", "t", "c"), True, False, text=AnswerText()))["stream_options"]["continuous_usage_stats"]  # type: ignore[arg-type]
+
+
+def test_the_debug_log_says_where_each_request_went_and_why(caplog: pytest.LogCaptureFixture) -> None:
+    """With debug logging on, a dispatch names its replica and what every replica held, GoRouting
+    says what it weighed, and the first token says how long its prefill took (the below-knee
+    TTFT diagnosis in docs/benchmarks.md rests on these lines)."""
+    caplog.set_level("DEBUG", logger="slogate")
+
+    async def go() -> int | None:
+        clock = [10.0]
+        views = [view(0), view(1)]
+        adm = Admission(Scheduler(make_ordering("gmax"), make_placement("gorouting")), views, clock=lambda: clock[0])
+        q = Request(1, 10.0, 200, SLO.latency(1.0, 0.05))
+        q.len_bound = q.len_mean = 50
+        t = await adm.acquire(q, waiting_s=5.0)
+        clock[0] = 10.3
+        adm.tokens(t, 1, clock[0])
+        return t.replica
+
+    rid = asyncio.run(go())
+    lines = [rec.getMessage() for rec in caplog.records]
+    place = next(m for m in lines if m.startswith("place 1:"))
+    assert "candidates [0, 1]" in place and "light" in place
+    dispatch = next(m for m in lines if m.startswith("dispatch 1 "))
+    assert f"to {rid} after" in dispatch and "0: " in dispatch and "1: " in dispatch and "backlog" in dispatch
+    assert f"first token 1 on {rid}: 0.300 s after dispatch" in lines

@@ -194,3 +194,26 @@ def test_an_idle_replica_does_not_finish_a_new_prompt_at_once():
     assert post - pre == 0
     pre, post = gr.gains(100.0, p, short)
     assert post - pre > 0
+
+
+def test_gorouting_with_harm_prices_the_stall_its_prefill_puts_on_the_streams_there():
+    """Four answers about to end on one replica, two long ones on the other, and a long prompt:
+    by the new answer's own batch (`overlap`, the default) the first looks lighter, though its
+    prefill would stall four streams, not two, each of which then ends that much later.
+    `harm: true` adds that stall per stream decoding there and sends it to the other."""
+    new = req(1, inp=3000, slo=SLO.latency(30.0, 0.1), bound=60)
+    ending, long = view(0, budget=64), view(1, budget=64)
+    for k in range(4):
+        r = req(10 + k, inp=450, slo=SLO.latency(2.0, 0.1), bound=5)
+        ending.claim(r, 0.0)
+        ending.first_token(r, 0.0)
+    for k in range(2):
+        r = req(20 + k, inp=450, slo=SLO.latency(2.0, 0.1), bound=60)
+        long.claim(r, 0.0)
+        long.first_token(r, 0.0)
+    ending.stream_cost = long.stream_cost = 0.004
+    cost = fleet_stream_cost([ending, long])
+    assert ending.decode_delay(new, cost) < long.decode_delay(new, cost)  # the default's picture
+    assert ending.decode_delay(new, cost) + 4 * ending.prefill_cost(new) > long.decode_delay(new, cost) + 2 * long.prefill_cost(new)
+    assert GoRouting().place(0.0, new, [ending, long]) is ending
+    assert GoRouting(harm=True).place(0.0, new, [ending, long]) is long

@@ -16,6 +16,9 @@ sent no SLO is never packed: it judges the stream by the engine's pace). If no r
 meet the SLO (Δ_max ≤ 0) we take the least loaded one — the paper falls back to random,
 which under overload only adds queueing.
 
+`harm: true` (a knob, off) also counts, among light replicas, the stall req's prefill puts on each
+stream decoding there: one about to end waits as long as a young one (docs/benchmarks.md, S21b–c).
+
 `GoRoutingPD` is the prefill/decode-disaggregated variant: a prefill replica by the same
 rule over the prefill pool, and the decode replica with the most free KV blocks.
 """
@@ -45,7 +48,7 @@ class GoRouting(PlacementPolicy):
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
                  wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap",
-                 pack: bool | Literal["chosen"] = False,
+                 pack: bool | Literal["chosen"] = False, harm: bool = False,
                  seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
@@ -53,6 +56,9 @@ class GoRouting(PlacementPolicy):
         # Past the light ones: the busiest that is not heavy (the paper: True), else the lightest
         # (False); "chosen": the paper's rule only for a request whose TBT someone chose.
         self.pack = pack
+        # Also price the stall req's prefill puts on every stream decoding there (each one's answer
+        # ends that much later, however little it has left): knob, measured in docs/benchmarks.md.
+        self.harm = harm
         self.wait_for_cache = wait_for_cache  # share of the prompt a full holder must hold more than any free replica (0: never wait)
 
     def _value(self, r: Request) -> float:
@@ -138,6 +144,9 @@ class GoRouting(PlacementPolicy):
             if self.balance == "count":
                 return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
             cost = fleet_stream_cost(pool)
+            if self.harm:
+                return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, cost)
+                                               + p.prefill_cost(req) * p.n_decode)
             return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, cost))
         not_heavy = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if not_heavy:
