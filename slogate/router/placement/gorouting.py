@@ -144,10 +144,8 @@ class GoRouting(PlacementPolicy):
             if self.balance == "count":
                 return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
             cost = fleet_stream_cost(pool)
-            if self.harm:
-                return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, cost)
-                                               + p.prefill_cost(req) * p.n_decode)
-            return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, cost))
+            return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, cost)
+                                           + (p.prefill_cost(req) * p.n_decode if self.harm else 0.0))
         not_heavy = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
         if not_heavy:
             return max(not_heavy, key=lambda p: p.estimate_exec(now))
