@@ -217,3 +217,48 @@ def test_gorouting_with_harm_prices_the_stall_its_prefill_puts_on_the_streams_th
     assert ending.decode_delay(new, cost) + 4 * ending.prefill_cost(new) > long.decode_delay(new, cost) + 2 * long.prefill_cost(new)
     assert GoRouting().place(0.0, new, [ending, long]) is ending
     assert GoRouting(harm=True).place(0.0, new, [ending, long]) is long
+    assert GoRouting(balance="share").place(0.0, new, [ending, long]) is long
+
+
+def _streams(p: ReplicaView, first_rid: int, n: int, bound: float = 200) -> None:
+    for k in range(n):
+        r = req(first_rid + k, inp=450, slo=SLO.latency(1.0, 0.05), bound=bound)
+        p.claim(r, 0.0)
+        p.first_token(r, 0.0)
+
+
+def test_gorouting_by_budget_share_keeps_a_first_token_out_from_behind_another_prompt():
+    """`busy` is prefilling a 2,000-token prompt and decodes nothing; `free` decodes two young
+    streams. By `overlap` (seconds of backlog against seconds of decode) one young stream more
+    outweighs the backlog, and the new request's first token would come at 65% of its TTFT,
+    behind the other prompt. By `share` that is most of its TTFT budget where `free` costs it
+    and its two streams a few percent of their TBT: it goes to `free`, as a count of streams
+    would (which won the knee on real vLLM 5 of 5: docs/benchmarks.md, S21b–c)."""
+    new = req(1, inp=800, slo=SLO.latency(0.4, 0.05), bound=200)
+    busy, free = view(0, budget=64), view(1, budget=64)
+    busy.claim(req(9, inp=2000, slo=SLO.latency(1.0, 0.05), bound=200), 0.0)
+    busy.ts_prefill = 0.0
+    _streams(free, 20, 2)
+    busy.stream_cost = free.stream_cost = 0.006
+    assert busy.estimate_exec(0.0, new) <= 0.7 * 0.4  # both light: the choice is the balance's
+    picks = {b: {GoRouting(seed=s, balance=b).place(0.0, new, [busy, free]).rid for s in range(10)}  # type: ignore[union-attr]
+             for b in ("overlap", "share", "count")}
+    assert picks == {"overlap": {0}, "share": {1}, "count": {1}}
+
+
+def test_gorouting_by_budget_share_does_not_pile_streams_on_one_replica():
+    """Sitting 4's burst (docs/benchmarks.md): `crowded` decodes 17 young streams, `few` decodes
+    7 and is prefilling a prompt. A count of streams (at the profile's b_d, ~1% of a prefill)
+    sends the next one to `crowded` whenever the other has a prompt in prefill; by budget
+    share 10 more streams in its batch cost far more of its TBT than the backlog costs of
+    its TTFT, and it goes to `few`."""
+    new = req(1, inp=450, slo=SLO.latency(1.0, 0.05), bound=200)
+    crowded, few = view(0, budget=64), view(1, budget=64)
+    _streams(crowded, 100, 17)
+    _streams(few, 200, 7)
+    few.claim(req(9, inp=2000, slo=SLO.latency(1.0, 0.05), bound=200), 0.0)
+    few.ts_prefill = 0.0
+    crowded.stream_cost = few.stream_cost = 0.006
+    assert GoRouting(balance="count").place(0.0, new, [crowded, few]) is crowded
+    assert GoRouting(balance="share").place(0.0, new, [crowded, few]) is few
+    assert GoRouting().place(0.0, new, [crowded, few]) is few

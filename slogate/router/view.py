@@ -197,6 +197,31 @@ class ReplicaView:
         c = self.model.b_d if cost is None else cost
         return c * self.overlap(req) * max(req.remaining_bound, 1.0)
 
+    def budget_share(self, now: float, req: Request, cost: float | None = None) -> float:
+        """The shares of SLO budgets `req` would use up here, its own and every stream's here,
+        summed: what placing it here costs in the units users' tools judge by (TTFT and mean TPOT,
+        or a deadline). Its own: its first token (the prefill queued ahead and its own) of the
+        time left to its TTFT, and the streams it would share steps with (`overlap`, each `cost` s
+        a step; None: the profile's b_d) of its TBT; a deadline request, when its answer would be
+        done of the time left to its deadline. Each stream decoding here: the stall its prefill
+        puts on it plus the steps it shares with `req`, of its TPOT budget over its whole answer
+        (TBT × its length) or of its time to its deadline; a stream about to end is stalled as
+        long as a young one (docs/benchmarks.md, S21b–c). Seconds of backlog against seconds of
+        decode, as `decode_delay` weighs them, put a request behind another prompt's prefill to
+        spare it one young stream, where both its TTFT and the stalled streams' TPOT paid."""
+        c = self.model.b_d if cost is None else cost
+        stall = self.prefill_cost(req)
+        first = self.prefill_backlog(now) + stall + self.model.t_c
+        mine = max(req.remaining_bound, 1.0)
+        share = _own_share(req, now, first, c * self.overlap(req), mine)
+        for r in self.decoding.values():
+            share += _stream_share(r, now, stall + c * min(r.remaining_bound, mine))
+        for r in self.prefill_queue.values():  # not stalled by it (queued ahead), but sharing steps
+            share += _stream_share(r, now, c * min(r.remaining_bound, mine))
+        if self.remote_decode:  # other gateways' streams: counts only, priced as one like req
+            share += self.remote_decode * (stall + c * mine) / ((req.slo.tbt_s or 0.05) * mine)
+        return share
+
     def absorbs(self, now: float, req: Request, cost: float | None = None, timeline: bool = True) -> bool:
         """Whether `req`, a first token that would otherwise be lost waiting for a slot, may run
         here beyond every slot the learner lends: each stream running here that is on time now
@@ -269,6 +294,24 @@ class ReplicaView:
         if extra is not None:
             t += self.prefill_cost(extra) + self.model.t_c
         return t
+
+
+def _own_share(req: Request, now: float, first: float, per_step: float, mine: float) -> float:
+    """`budget_share`'s term for the request placed: its first token in `first` s, each of its
+    `mine` tokens `per_step` s slower than alone."""
+    if req.kind is SLOClass.LATENCY and req.slo.tbt_s:
+        return first / max(req.ttft_deadline - now, 0.05) + per_step / req.slo.tbt_s
+    return (first + per_step * mine) / max(req.deadline_at - now, 0.05)
+
+
+def _stream_share(r: Request, now: float, delay: float) -> float:
+    """`budget_share`'s term for a stream delayed `delay` s: of its TPOT budget over its answer,
+    or of its time to its deadline; none for a stream without either."""
+    if r.kind is SLOClass.LATENCY and r.slo.tbt_s:
+        return delay / (r.slo.tbt_s * max(r.len_mean, r.generated + 1.0))
+    if r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND):
+        return delay / max(r.deadline_at - now, 0.05)
+    return 0.0
 
 
 def fleet_stream_cost(replicas: Sequence[ReplicaView]) -> float | None:

@@ -18,6 +18,9 @@ which under overload only adds queueing.
 
 `harm: true` (a knob, off) also counts, among light replicas, the stall req's prefill puts on each
 stream decoding there: one about to end waits as long as a young one (docs/benchmarks.md, S21b–c).
+`balance: share` (a knob, off) prices each light replica by the shares of SLO budgets req would use
+up there, its own and every stream's (`ReplicaView.budget_share`): ahead at the knee on real vLLM,
+behind the default past it (docs/benchmarks.md, S22b).
 
 `GoRoutingPD` is the prefill/decode-disaggregated variant: a prefill replica by the same
 rule over the prefill pool, and the decode replica with the most free KV blocks.
@@ -47,12 +50,14 @@ class GoRouting(PlacementPolicy):
     name = "gorouting"
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
-                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count"] = "overlap",
+                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count", "share"] = "overlap",
                  pack: bool | Literal["chosen"] = False, harm: bool = False,
                  seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
-        self.balance = balance  # the lightest of the light replicas by `overlap`, or the paper's n_d·b_d
+        # The lightest of the light replicas by `overlap`, the paper's n_d·b_d (`count`), or by the
+        # shares of SLO budgets req would use up there, its own and every stream's (`share`).
+        self.balance = balance
         # Past the light ones: the busiest that is not heavy (the paper: True), else the lightest
         # (False); "chosen": the paper's rule only for a request whose TBT someone chose.
         self.pack = pack
@@ -144,6 +149,8 @@ class GoRouting(PlacementPolicy):
             if self.balance == "count":
                 return self.argmin_random_ties(light, lambda p: p.estimate_exec(now))
             cost = fleet_stream_cost(pool)
+            if self.balance == "share":
+                return self.argmin_random_ties(light, lambda p: p.budget_share(now, req, cost))
             return self.argmin_random_ties(light, lambda p: p.prefill_backlog(now) + p.decode_delay(req, cost)
                                            + (p.prefill_cost(req) * p.n_decode if self.harm else 0.0))
         not_heavy = [p for p in cands if p.estimate_exec(now, req) <= self.lam * slo]
