@@ -167,3 +167,15 @@ def test_absorbing_by_mean_tpot_alone_ignores_a_stream_that_only_the_timeline_wo
         sched = Scheduler.from_combo("gmax+gorouting")
         sched.absorb, sched.absorb_by, sched.at_risk_s = True, by, 5.0
         assert [(r.rid, rid) for r, rid in sched.schedule(now, [newcomer()], [replica()]).dispatch] == placed, by
+
+
+def test_absorb_loss_counts_the_tokens_of_the_streams_put_late() -> None:
+    now = 100.0
+    new = _at_risk(1, now)
+    assert _full(0, now, pace=0.025).absorb_loss(now, new, cost=0.004) == 0.0  # seconds of slack: nobody put late
+    # Two streams 0.05 s inside their mean TPOT, 100 tokens out and 3 to come: a 2,000-token prompt's stall loses both.
+    near = _full(0, now, pace=0.0495, left=3)
+    long_prompt = req(2, arrival=now - 0.2, inp=2000, slo=SLO.latency(1.0, TBT), bound=200)
+    assert near.absorb_loss(now, long_prompt, cost=0.0001) == 2 * 103
+    # Where the newcomer itself would miss its TBT there is no trade to weigh.
+    assert _full(0, now, pace=0.049, left=5000).absorb_loss(now, new, cost=0.002) is None

@@ -318,6 +318,10 @@ class Admission:
         return True
 
     def _refuse(self, t: Ticket, reason: str) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("refuse %d (%s) after %.3f s waiting; replicas: %s", t.req.rid, reason, self.clock() - t.req.arrival,
+                      "; ".join(f"{v.rid}: {v.inflight} held of {v.budget} (+{v.overdraft} lent), {len(v.prefill_queue)} prefilling"
+                                for v in self.views))
         self.waiting.pop(t.req.rid, None)
         self._to_predict.pop(t.req.rid, None)
         if not t.fut.done():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -12,6 +13,8 @@ from slogate.router.policies.base import OrderingPolicy
 from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
 from slogate.router.request import RESUME_WITHIN_S, Request, SLOClass
 from slogate.router.view import ReplicaView, fleet_stream_cost
+
+log = logging.getLogger("slogate.scheduler")
 
 # How many waiting first tokens (those due soonest) `Scheduler.absorbed` prices each decision.
 ABSORB_LOOK = 32
@@ -163,8 +166,21 @@ class Scheduler:
         due = heapq.nsmallest(ABSORB_LOOK, filter(_first_token_pending, waiting), key=lambda r: r.ttft_deadline)
         out: list[tuple[Request, int]] = []
         for _, _, req in (x for x in self._by_spare(now, due, pool) if x[0] <= self.at_risk_s):
-            fits = [(p.first_token_at(now, req), p.inflight, p.rid, p) for p in pool if p.absorbs(now, req, cost, self.absorb_by == "timeline")]
-            fits = [f for f in fits if f[0] <= req.ttft_deadline]
+            fits = []
+            for p in pool:
+                at = p.first_token_at(now, req)
+                if at > req.ttft_deadline:
+                    continue
+                # Only where it puts no stream on time now late. Weighing the tokens it brings
+                # against those it would put late refused fewer and delivered less on real vLLM
+                # at the knee (docs/benchmarks.md, sitting S23).
+                if p.absorb_loss(now, req, cost, self.absorb_by == "timeline") == 0.0:
+                    fits.append((at, p.inflight, p.rid, p))
+            if log.isEnabledFor(logging.DEBUG):  # why a first token at risk was (not) absorbed: each replica's terms
+                log.debug("absorb %d (due in %.3f s, bound %.0f): %s", req.rid, req.ttft_deadline - now, req.remaining_bound, "; ".join(
+                    f"{p.rid}: first token {p.first_token_at(now, req) - req.ttft_deadline:+.3f} s vs due, loss {p.absorb_loss(now, req, cost, True)}, "
+                    f"{p.n_decode} decoding, pace {1000 * s[0]:.1f} ms, {len(s[1])} on time" if (s := p._slack(now, True)) else f"{p.rid}: no pace"
+                    for p in pool))
             if fits:
                 target = min(fits)[3]
                 target.claim(req, now)

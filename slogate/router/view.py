@@ -233,26 +233,33 @@ class ReplicaView:
         weighed against what admitting costs them (docs/architecture.md, "Absorbing a first token").
         `timeline` False: the streams running are kept on time by mean TPOT (and deadlines) only,
         as guidellm and `vllm bench serve` judge them."""
+        return self.absorb_loss(now, req, cost, timeline) == 0.0
+
+    def absorb_loss(self, now: float, req: Request, cost: float | None = None, timeline: bool = True) -> float | None:
+        """What running `req` here beyond every lent slot costs the streams on time now (`absorbs`):
+        the output tokens of those it would put late (each earns nothing late, as users' tools judge
+        it). None: `req` itself would not keep its TBT at this replica's pace, or no stream here has
+        a pace to go by. The scheduler's debug log shows it for each first token at risk."""
         tbt = req.slo.tbt_s
         if not self.healthy or self.role == "decode" or not tbt:
-            return False
+            return None
         summary = self._slack(now, timeline)
         if summary is None:
-            return False
-        pace, least, streams = summary
+            return None
+        pace, streams = summary
         b = cost if cost is not None else pace / max(self.n_decode, 1)
+        if pace + b > tbt:
+            return None
         stall = self.first_token_at(now, req) - now  # its prefill and what is queued ahead of it
-        if pace + b > tbt or stall > least:
-            return False
         mine = max(req.remaining_bound, 1.0)
-        return all(stall + b * min(left, mine) <= room for left, room in streams)
+        return sum(value for left, room, nxt, value in streams if stall > nxt or stall + b * min(left, mine) > room)
 
-    def _slack(self, now: float, timeline: bool = True) -> tuple[float, float, list[tuple[float, float]]] | None:
-        """For `absorbs`, once per decision (`now`) and set of streams: the median pace a stream
-        here has had (its mean TPOT so far: its arrivals' prefill stalls are in it), the least time
-        any stream on time now has to spare, and each such stream's (tokens left, time to spare
-        at its end): by mean TPOT and its last token's due time, or its deadline. None: no stream
-        here has a pace to go by."""
+    def _slack(self, now: float, timeline: bool = True) -> tuple[float, list[tuple[float, float, float, float]]] | None:
+        """For `absorb_loss`, once per decision (`now`) and set of streams: the median pace a stream
+        here has had (its mean TPOT so far: its arrivals' prefill stalls are in it) and, for each
+        stream on time now, (tokens left, time to spare at its end, time to spare before its next
+        token, its output tokens): by mean TPOT and its last token's due time (and, by the timeline,
+        its next token's), or its deadline. None: no stream here has a pace to go by."""
         key = (now, len(self.decoding), timeline)  # a claim in the same decision adds a prefill, not a stream: the answer holds
         if self.slack_memo is not None and self.slack_memo[0] == key:
             return self.slack_memo[1]
@@ -261,30 +268,28 @@ class ReplicaView:
         out = None
         if paces:
             pace = paces[len(paces) // 2]
-            least, streams = math.inf, []
+            streams = []
             for r in self.decoding.values():
                 if r.first_token_at is None:
                     continue
                 left = max(r.len_mean - r.generated, 1.0)
                 end = now + left * pace  # its last token, as things go now
+                nxt = math.inf
                 if r.kind is SLOClass.LATENCY and r.slo.tbt_s:
                     room = r.first_token_at + (r.generated + left - 1) * r.slo.tbt_s - end  # mean TPOT ≤ TBT
-                    nxt = math.inf
                     if timeline:
                         room = min(room, r.token_deadline(int(r.generated + left) - 1) - end)  # its last token in time
                         nxt = r.token_deadline(r.generated) - now - pace  # its next token in time
                     if room < 0 or nxt < 0:
                         continue  # late already: slowing it loses nothing more
-                    least = min(least, room, nxt)
                 elif r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND):
                     room = r.deadline_at - end
                     if room < 0:
                         continue
-                    least = min(least, room)
                 else:
                     continue
-                streams.append((left, room))
-            out = (pace, least, streams)
+                streams.append((left, room, nxt, r.generated + left))
+            out = (pace, streams)
         self.slack_memo = (key, out)
         return out
 
