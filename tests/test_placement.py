@@ -262,3 +262,21 @@ def test_gorouting_by_budget_share_does_not_pile_streams_on_one_replica():
     assert GoRouting(balance="count").place(0.0, new, [crowded, few]) is crowded
     assert GoRouting(balance="share").place(0.0, new, [crowded, few]) is few
     assert GoRouting().place(0.0, new, [crowded, few]) is few
+
+
+def test_budget_share_prices_other_gateways_streams_as_streams_like_the_request():
+    """A replica's streams that other gateways placed are counts only: each is priced as a stream
+    like the request placed (of its TPOT budget, or of its time to its deadline), so they weigh
+    as much as the same streams placed here."""
+    for slo in (SLO.latency(1.0, 0.05), SLO.deadline(20.0)):
+        new = req(1, inp=450, slo=slo, bound=200)
+        local, remote = view(0, budget=64), view(1, budget=64)
+        for k in range(3):
+            s = req(10 + k, inp=450, slo=slo, bound=200)
+            local.claim(s, 0.0)
+            local.first_token(s, 0.0)
+        remote.remote_decode = 3
+        empty = view(2, budget=64)
+        assert remote.budget_share(0.0, new, cost=0.006) > empty.budget_share(0.0, new, cost=0.006)
+        # within a fifth of the same streams held here (those also share steps with it, `overlap`)
+        assert abs(remote.budget_share(0.0, new, cost=0.006) - local.budget_share(0.0, new, cost=0.006)) < 0.2 * local.budget_share(0.0, new, cost=0.006)

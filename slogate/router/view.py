@@ -218,8 +218,8 @@ class ReplicaView:
             share += _stream_share(r, now, stall + c * min(r.remaining_bound, mine))
         for r in self.prefill_queue.values():  # not stalled by it (queued ahead), but sharing steps
             share += _stream_share(r, now, c * min(r.remaining_bound, mine))
-        if self.remote_decode:  # other gateways' streams: counts only, priced as one like req
-            share += self.remote_decode * (stall + c * mine) / ((req.slo.tbt_s or 0.05) * mine)
+        if self.remote_decode:  # other gateways' streams: counts only, each priced as a stream like req
+            share += self.remote_decode * _stream_share(req, now, stall + c * mine)
         return share
 
     def absorbs(self, now: float, req: Request, cost: float | None = None, timeline: bool = True) -> bool:
