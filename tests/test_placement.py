@@ -175,7 +175,7 @@ def test_a_combination_names_the_placement_parameters_too():
     from slogate.router.scheduler import Scheduler
 
     assert Scheduler.from_combo("gmax+gorouting?balance=count&alpha=0.9").placement.balance == "count"  # type: ignore[attr-defined]
-    assert Scheduler.from_combo("gmax?lead_factor=0+gorouting").placement.balance == "overlap"  # type: ignore[attr-defined]
+    assert Scheduler.from_combo("gmax?lead_factor=0+gorouting").placement.balance == "share"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="balance"):
         Scheduler.from_combo("gmax+gorouting?balance=sideways")
 
@@ -198,9 +198,10 @@ def test_an_idle_replica_does_not_finish_a_new_prompt_at_once():
 
 def test_gorouting_with_harm_prices_the_stall_its_prefill_puts_on_the_streams_there():
     """Four answers about to end on one replica, two long ones on the other, and a long prompt:
-    by the new answer's own batch (`overlap`, the default) the first looks lighter, though its
-    prefill would stall four streams, not two, each of which then ends that much later.
-    `harm: true` adds that stall per stream decoding there and sends it to the other."""
+    by the new answer's own batch (`overlap`, the earlier default) the first looks lighter, though
+    its prefill would stall four streams, not two, each of which then ends that much later.
+    `harm: true` adds that stall per stream decoding there and sends it to the other, as the
+    default (`share`) does."""
     new = req(1, inp=3000, slo=SLO.latency(30.0, 0.1), bound=60)
     ending, long = view(0, budget=64), view(1, budget=64)
     for k in range(4):
@@ -213,11 +214,11 @@ def test_gorouting_with_harm_prices_the_stall_its_prefill_puts_on_the_streams_th
         long.first_token(r, 0.0)
     ending.stream_cost = long.stream_cost = 0.004
     cost = fleet_stream_cost([ending, long])
-    assert ending.decode_delay(new, cost) < long.decode_delay(new, cost)  # the default's picture
+    assert ending.decode_delay(new, cost) < long.decode_delay(new, cost)  # overlap's picture
     assert ending.decode_delay(new, cost) + 4 * ending.prefill_cost(new) > long.decode_delay(new, cost) + 2 * long.prefill_cost(new)
-    assert GoRouting().place(0.0, new, [ending, long]) is ending
-    assert GoRouting(harm=True).place(0.0, new, [ending, long]) is long
-    assert GoRouting(balance="share").place(0.0, new, [ending, long]) is long
+    assert GoRouting(balance="overlap").place(0.0, new, [ending, long]) is ending
+    assert GoRouting(balance="overlap", harm=True).place(0.0, new, [ending, long]) is long
+    assert GoRouting().place(0.0, new, [ending, long]) is long
 
 
 def _streams(p: ReplicaView, first_rid: int, n: int, bound: float = 200) -> None:

@@ -16,11 +16,13 @@ sent no SLO is never packed: it judges the stream by the engine's pace). If no r
 meet the SLO (Δ_max ≤ 0) we take the least loaded one — the paper falls back to random,
 which under overload only adds queueing.
 
-`harm: true` (a knob, off) also counts, among light replicas, the stall req's prefill puts on each
+`harm: true` (a knob, off; with `balance: overlap`) also counts, among light replicas, the stall req's prefill puts on each
 stream decoding there: one about to end waits as long as a young one (docs/benchmarks.md, S21b–c).
-`balance: share` (a knob, off) prices each light replica by the shares of SLO budgets req would use
-up there, its own and every stream's (`ReplicaView.budget_share`): ahead at the knee on real vLLM,
-behind the default past it (docs/benchmarks.md, S22b).
+Among light replicas the default (`balance: share`) prices each by the shares of SLO budgets req
+would use up there, its own and every stream's (`ReplicaView.budget_share`): on real vLLM it
+matched the best plain router below the knee where `overlap` (the earlier default: when req's
+answer would be done there) lost to it by 13%, and it gave up 7% past the knee, still 3.4× the
+peers there (docs/benchmarks.md, sittings S22b and S23).
 
 `GoRoutingPD` is the prefill/decode-disaggregated variant: a prefill replica by the same
 rule over the prefill pool, and the decode replica with the most free KV blocks.
@@ -50,7 +52,7 @@ class GoRouting(PlacementPolicy):
     name = "gorouting"
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
-                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count", "share"] = "overlap",
+                 wait_for_cache: float = 0.2, balance: Literal["overlap", "count", "share"] = "share",
                  pack: bool | Literal["chosen"] = False, harm: bool = False,
                  seed: int = 0) -> None:
         super().__init__(seed)
