@@ -494,3 +494,32 @@ def test_prefills_priced_by_the_arrivals_where_the_demand_leaves_the_replica_not
     assert turned.refused > 0.05
     turned.fit, turned.stall, turned.load = (0.015, 0.004), 0.0023, 2.0
     assert turned._n_at(0.0425) == per_stream
+
+
+def test_a_second_of_prefills_in_a_burst_is_no_cut() -> None:
+    """A fresh gateway's first Poisson burst (G23): 5 prompts on a replica in a second, 8 streams,
+    most steps shared with a prefill at 60–90 ms, the few without one at 30 ms. Labelled so by the
+    driver, it reads as the prefills' (slow start ends, the budget stays); the same gaps with no
+    label read as a batch too large and cut."""
+    shared = [0.060, 0.070, 0.080, 0.090] * 6
+    alone = [0.030] * 6
+
+    def second(labelled: bool) -> CapacityLearner:
+        lr = CapacityLearner(cap=64)
+        for g in shared:
+            lr.observe(8, g, decode_only=not labelled)
+        for g in alone:
+            lr.observe(8, g)
+        lr.update(0.0, 0.050, 8)
+        return lr
+
+    kept, cut = second(True), second(False)
+    assert kept.budget >= 8 and not kept.growing  # kept (then +1 while full: the pace is judged afresh)
+    assert cut.budget < 8
+    # Where the steps without a prefill are slow too, the batch is too large: a cut, labels or not.
+    lr = CapacityLearner(cap=64)
+    for g in shared:
+        lr.observe(8, g, decode_only=False)
+    for g in [0.060] * 12:
+        lr.observe(8, g)
+    assert lr.update(0.0, 0.050, 8) < 8

@@ -167,6 +167,7 @@ class CapacityLearner:
     bins: dict[int, _Bin] = field(default_factory=dict)
     recent: list[float] = field(default_factory=list)  # gaps since the last update (seconds per token)
     recent_n: list[int] = field(default_factory=list)
+    recent_decode: list[float] = field(default_factory=list)  # of `recent`, the gaps no prefill shared (`observe`'s decode_only)
     last_update: float = -math.inf
     fit: tuple[float, float] | None = None  # (a, b) of the decode step ITL(n) = a + b·n
     horizon: float = 0.05  # weight of the newest second in the prefill cost and the sustained pace (~20 s)
@@ -218,6 +219,7 @@ class CapacityLearner:
         b.gaps.append(gap_s)
         if decode_only:
             b.decode.append(gap_s)
+            self.recent_decode.append(gap_s)
         b.weight = min(b.weight + 1, b.gaps.maxlen or 64)  # no more trust than gaps kept
         self.recent.append(gap_s)
         self.recent_n.append(n)
@@ -279,6 +281,7 @@ class CapacityLearner:
         self.load = self._ew(self.load, inflight + queued, self.load_weight)
         self.refused, self._refused_now = self._ew(self.refused, self._refused_now, self.load_weight), 0.0
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
+        decode, self.recent_decode = self.recent_decode, []
         self.last_second = recent  # what this update judged (the gateway's debug log)
         self._fresh = 0
         if target_s is None:
@@ -337,7 +340,7 @@ class CapacityLearner:
         slow = pace is not None and pace > over and len(recent) >= 10
         if (slow and (self._growing or self.fit is None) and self.on_stalls == "end"
                 and (median(recent) < (1.0 if inflight <= self._least else self.stalls_below) * goal
-                     or (mean is not None and mean <= over))):
+                     or (mean is not None and mean <= over) or _prefills_decide(recent, decode, goal))):
             # Stalls, not the batch: slow start ends without a cut, and after it there is no cut
             # either. Without a line the pace judged is a few seconds' mean, which one arrival's
             # prefill decides at a small n: replicas holding 2 and 3 streams at median gaps of 21
@@ -347,7 +350,12 @@ class CapacityLearner:
             # a second that met the target slow (only the smoothed pace remembers an earlier
             # stall). At no more streams than the floor any median below the goal reads as
             # stalls: there a slow mean is the prefills' (the floor's own reason), and a cut
-            # cannot take the replica below what it holds, only stop a burst's growth.
+            # cannot take the replica below what it holds, only stop a burst's growth. Nor is a
+            # second whose steps were mostly prefills (`_prefills_decide`): a fresh gateway's
+            # first Poisson burst put 5 prompts on a replica in a second, its learner cut both
+            # replicas from 8 to the floor while they held 6–8 streams, and guidellm's first
+            # tokens waited 1.4–2.2 s at its p90 where the plain routers' waited 0.7–1.1
+            # (real vLLM at half the knee: docs/benchmarks.md, G23).
             slow = False
             if self._growing:
                 self._afresh()
@@ -578,6 +586,14 @@ class CapacityLearner:
         puts the pace at the target itself (needs a line)."""
         assert self.fit is not None
         return min(int(self._n_at(target_s)) if target_s > self.fit[0] else 0, self.cap)
+
+
+def _prefills_decide(recent: list[float], decode: list[float], goal: float) -> bool:
+    """A second's gaps say more about its prefills than its batch: some shared their steps with a
+    prefill (the driver says which: otherwise every gap counts as decode alone and the median
+    rule decides), and fewer than a third had none, or those that had none ran below `goal`
+    (the batch is fast)."""
+    return len(decode) < len(recent) and (len(decode) < len(recent) / 3 or median(decode) < goal)
 
 
 def _no_faster(lo: float, hi: float) -> bool:
