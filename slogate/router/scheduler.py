@@ -165,22 +165,25 @@ class Scheduler:
         # frame at 2,000 waiting (bench/absorb_cost.py).
         due = heapq.nsmallest(ABSORB_LOOK, filter(_first_token_pending, waiting), key=lambda r: r.ttft_deadline)
         out: list[tuple[Request, int]] = []
+        timeline, debug = self.absorb_by == "timeline", log.isEnabledFor(logging.DEBUG)
         for _, _, req in (x for x in self._by_spare(now, due, pool) if x[0] <= self.at_risk_s):
-            fits = []
+            fits, terms = [], []
             for p in pool:
                 at = p.first_token_at(now, req)
-                if at > req.ttft_deadline:
-                    continue
+                on_time = at <= req.ttft_deadline
                 # Only where it puts no stream on time now late. Weighing the tokens it brings
                 # against those it would put late refused fewer and delivered less on real vLLM
                 # at the knee (docs/benchmarks.md, sitting S23).
-                if p.absorb_loss(now, req, cost, self.absorb_by == "timeline") == 0.0:
+                loss = p.absorb_loss(now, req, cost, timeline) if on_time or debug else None
+                if on_time and loss == 0.0:
                     fits.append((at, p.inflight, p.rid, p))
-            if log.isEnabledFor(logging.DEBUG):  # why a first token at risk was (not) absorbed: each replica's terms
+                if debug:
+                    terms.append((p, at, loss))
+            if debug:  # why a first token at risk was (not) absorbed: each replica's terms, as decided
                 log.debug("absorb %d (due in %.3f s, bound %.0f): %s", req.rid, req.ttft_deadline - now, req.remaining_bound, "; ".join(
-                    f"{p.rid}: first token {p.first_token_at(now, req) - req.ttft_deadline:+.3f} s vs due, loss {p.absorb_loss(now, req, cost, True)}, "
-                    f"{p.n_decode} decoding, pace {1000 * s[0]:.1f} ms, {len(s[1])} on time" if (s := p._slack(now, True)) else f"{p.rid}: no pace"
-                    for p in pool))
+                    f"{p.rid}: first token {at - req.ttft_deadline:+.3f} s vs due, loss {loss}, {p.n_decode} decoding"
+                    + (f", pace {1000 * s[0]:.1f} ms, {len(s[1])} on time" if (s := p._slack(now, timeline)) else ", no pace")
+                    for p, at, loss in terms))
             if fits:
                 target = min(fits)[3]
                 target.claim(req, now)
