@@ -16,40 +16,29 @@ import argparse
 import json
 import sys
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_engines import conversations
 
-Cache = OrderedDict[tuple[int, ...], None]
+from slogate.router.prefix import PrefixCache
+
+Choose = Callable[[int, dict, list[int], list[PrefixCache]], int]
 
 
-def leading(keys: list[tuple[int, ...]], cache: Cache) -> int:
-    n = 0
-    for k in keys:
-        if k not in cache:
-            break
-        n += 1
-    return n
-
-
-def replay(turns: list[dict], replicas: int, capacity: int | None, ids_per_block: int,
-           choose: Callable[[int, dict, list[tuple[int, ...]], list[Cache]], int]) -> float:
-    caches: list[Cache] = [OrderedDict() for _ in range(replicas)]
+def replay(turns: list[dict], replicas: int, capacity: int | None, ids_per_block: int, choose: Choose) -> float:
+    """Share of prompt tokens found cached where `choose` puts each turn; the caches are the
+    gateway's own picture of an engine's (`PrefixCache`: LRU, a sequence's head kept longest)."""
+    caches = [PrefixCache(capacity or sys.maxsize) for _ in range(replicas)]
     hit = total = 0
     for i, t in enumerate(turns):
         ids = t["hash_ids"]
-        keys = [tuple(ids[: (j + 1) * ids_per_block]) for j in range(len(ids) // ids_per_block)]
-        c = caches[choose(i, t, keys, caches)]
-        hit += leading(keys, c) * ids_per_block
+        blocks = [hash(tuple(ids[: (j + 1) * ids_per_block])) for j in range(len(ids) // ids_per_block)]  # chained: a block names its prefix
+        c = caches[choose(i, t, blocks, caches)]
+        hit += c.match(blocks) * ids_per_block
         total += len(ids)
-        for k in keys:
-            c[k] = None
-            c.move_to_end(k)
-            while capacity is not None and len(c) > capacity:
-                c.popitem(last=False)
+        c.insert(blocks)
     return hit / total
 
 
@@ -66,11 +55,11 @@ def main() -> None:
     per = max(a.block_tokens // a.tokens_per_id, 1)
     n = a.replicas
 
-    def most(i: int, t: dict, keys: list[tuple[int, ...]], caches: list[Cache]) -> int:
-        hits = [leading(keys, c) for c in caches]
+    def most(i: int, t: dict, blocks: list[int], caches: list[PrefixCache]) -> int:
+        hits = [c.match(blocks) for c in caches]
         return hits.index(max(hits)) if max(hits) else i % n
 
-    rules: dict[str, Callable[[int, dict, list[tuple[int, ...]], list[Cache]], int]] = {
+    rules: dict[str, Choose] = {
         "pinned by conversation": lambda i, t, k, c: zlib.crc32(json.dumps(t["hash_ids"][:2]).encode()) % n,
         "most cached, else alternating": most,
         "round robin": lambda i, t, k, c: i % n,

@@ -199,6 +199,8 @@ def run_one(system: str, urls: list[str], reqs: list[dict], duration: float, tmp
 
 def report(path: Path) -> str:
     rows = json.loads(path.read_text())["rows"]
+    if rows and rows[0].get("client") == "vllm-bench":
+        return report_vllm_bench(rows)
     systems = list(dict.fromkeys(r["system"] for r in rows))
     rates = sorted({r["rate"] for r in rows})
     med = statistics.median
@@ -242,7 +244,7 @@ def report_vllm_bench(rows: list[dict]) -> str:
     systems = list(dict.fromkeys(r["system"] for r in rows))
     med = statistics.median
     out = ["| rate | system | goodput (ttft 1 s, tpot 50 ms), tok/s: each run | median | attainment (median) | TTFT p50 / p90 ms | "
-           "TPOT mean ms | engine prefix-hit rate | refused |", "|---:|---|---|---:|---:|---|---:|---:|---:|"]
+           "TPOT mean ms | engine prefix-hit rate | failed (429s among them) |", "|---:|---|---|---:|---:|---|---:|---:|---:|"]
     for rate in sorted({r["rate"] for r in rows}):
         for s in systems:
             rs = [r for r in rows if r["rate"] == rate and r["system"] == s]
@@ -256,8 +258,7 @@ def report_vllm_bench(rows: list[dict]) -> str:
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--report":
-        rows = json.loads(Path(sys.argv[2]).read_text())["rows"]
-        print(report_vllm_bench(rows) if rows and rows[0].get("client") == "vllm-bench" else report(Path(sys.argv[2])))
+        print(report(Path(sys.argv[2])))
         return
     ap = argparse.ArgumentParser()
     engine_bench_args(ap, rates="2,4,6", repeats=2, systems=SYSTEMS)
@@ -280,6 +281,8 @@ def main() -> None:
     systems = bench_systems(a)
     if any(s in ("slogate-kv", "vllm-router-kv") for s in systems) and not a.kv_events:
         ap.error("slogate-kv and vllm-router-kv need --kv-events")
+    if a.client == "vllm-bench" and (a.direct or a.token_prompts):
+        ap.error("--client vllm-bench sends every turn as chat text through the router: not with --direct or --token-prompts")
     turns = conversations(a.sessions, a.tokens_per_id, a.max_in)
     tmp = Path(tempfile.mkdtemp())
     model = build_model(a.vllm_python, a.model_dir)
@@ -320,7 +323,7 @@ def main() -> None:
     finally:
         stop(procs)
     if a.out:
-        print(report_vllm_bench(rows) if a.client == "vllm-bench" else report(a.out))
+        print(report(a.out))
 
 
 if __name__ == "__main__":
