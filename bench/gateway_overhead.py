@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--burst", action="store_true", help="no stagger: all clients start together, so every request "
                     "arrives in a burst of CONCURRENCY simultaneous ones")
     ap.add_argument("--knobs", default="", help="YAML lines added to slogate's config (a knob study), e.g. 'capacity: {slow_start: false}'")
+    ap.add_argument("--slo", action="store_true", help="also drive slogate with an SLO in every request (paced streams)")
+    ap.add_argument("--slo-tbt-ms", type=float, default=100.0, help="the TBT those requests ask for (above the engine's ITL)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     procs: list[subprocess.Popen[bytes]] = []
@@ -121,7 +123,7 @@ def main() -> None:
                     *[x for u in eng_urls for x in ("--backend", u)]])
         procs.append(pt)
         cfg = Path(tempfile.mkdtemp()) / "gw.yaml"
-        cfg.write_text("pacing: false\n" + (a.knobs + "\n" if a.knobs else "") + "backends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: 256}}\n" for u in eng_urls))
+        cfg.write_text((a.knobs + "\n" if a.knobs else "") + "backends:\n" + "".join(f"  - {{url: {u}, models: [{MODEL}], budget: 256}}\n" for u in eng_urls))
         gp = free_port()
         gw = spawn(["slogate", "serve", "--config", str(cfg), "--port", str(gp), "--log-level", "warning"])
         procs.append(gw)
@@ -131,6 +133,10 @@ def main() -> None:
                    "passthrough": (f"http://127.0.0.1:{pp}/v1/chat/completions", {}),
                    "slogate": (f"http://127.0.0.1:{gp}/v1/chat/completions", {})}
         proxies = {"slogate": gw, "passthrough": pt}
+        if a.slo:
+            # The same gateway, each request carrying an SLO: its stream goes through the smoothing buffer
+            targets["slogate-slo"] = (f"http://127.0.0.1:{gp}/v1/chat/completions", {"slo": {"ttft_ms": 1000, "tbt_ms": a.slo_tbt_ms}})
+            proxies["slogate-slo"] = gw
         if shutil.which("vllm-router"):
             vp = free_port()
             vr = spawn(["vllm-router", "--host", "127.0.0.1", "--port", str(vp), "--worker-urls", *eng_urls, "--log-level", "warning"])

@@ -1,7 +1,7 @@
 import pytest
 
 from slogate.router.placement import GoRouting, GoRoutingPD, LeastLoad, PowerOfK, PowerOfTwo, RandomPlacement, RoundRobin
-from slogate.router.request import SLO
+from slogate.router.request import SLO, Request
 from slogate.router.view import ReplicaView, fleet_stream_cost
 from tests.helpers import req, view
 
@@ -110,8 +110,25 @@ def test_gorouting_prefers_the_most_idle_light_replica():
 
 
 def test_gorouting_falls_back_to_least_loaded_when_no_replica_can_meet_the_slo():
+    """A request whose TTFT nobody chose (the gateway's default SLO) still goes: its client
+    judges nothing by it. So does one whose TTFT was chosen, with `hold_late: false`."""
     a, b = _loaded(0, [30000]), _loaded(1, [20000])
-    assert GoRouting().place(0.0, req(1, inp=500, slo=SLO.latency(0.5, 0.1)), [a, b]) is b
+    r = req(1, inp=500, slo=SLO.latency(0.5, 0.1))
+    r.ttft_chosen = False
+    assert GoRouting().place(0.0, r, [a, b]) is b
+    assert GoRouting(hold_late=False).place(0.0, req(2, inp=500, slo=SLO.latency(0.5, 0.1)), [a, b]) is b
+
+
+def test_gorouting_holds_a_first_token_that_would_be_late_on_every_replica_with_room():
+    """Behind each replica's queued prefill the first token would miss its chosen TTFT: the
+    request waits (None) rather than fail its SLO there and stall the streams it joins; once one
+    replica's queue has drained it goes there; a deadline request is placed as before."""
+    a, b = _loaded(0, [30000]), _loaded(1, [20000])
+    late = req(1, inp=500, slo=SLO.latency(0.5, 0.1))
+    assert GoRouting().place(0.0, late, [a, b]) is None
+    assert GoRouting().place(0.0, req(2, inp=500, slo=SLO.deadline(0.5)), [a, b]) is b
+    drained = view(2, budget=8)
+    assert GoRouting().place(0.0, late, [a, b, drained]) is drained
 
 
 def test_gorouting_pd_picks_prefill_by_gain_and_decode_by_free_blocks():
@@ -281,3 +298,37 @@ def test_budget_share_prices_other_gateways_streams_as_streams_like_the_request(
         assert remote.budget_share(0.0, new, cost=0.006) > empty.budget_share(0.0, new, cost=0.006)
         # within a fifth of the same streams held here (those also share steps with it, `overlap`)
         assert abs(remote.budget_share(0.0, new, cost=0.006) - local.budget_share(0.0, new, cost=0.006)) < 0.2 * local.budget_share(0.0, new, cost=0.006)
+
+
+def test_a_first_token_late_behind_every_queue_waits_and_is_refused_once_it_cannot_be_in_time():
+    """The scheduler with GoRouting's default: the late first token neither goes behind 1.1 s of
+    queued prefill (it is due in 0.5 s) nor blocks the slot, which a deadline request takes;
+    it is refused (GMAX's strict TTFT) once even the fastest prefill could not bring it in time.
+    With `hold_late=false` it went behind the queue, to be late there."""
+    from slogate.router.scheduler import Scheduler
+
+    now = 10.0
+
+    def fleet() -> list[ReplicaView]:
+        busy = view(0, budget=8)
+        for k in range(3):  # three long prompts queued for prefill: ~1.1 s of work
+            busy.claim(req(100 + k, arrival=now, inp=4000, slo=SLO.latency(30.0, 0.1)), now)
+        busy.ts_prefill = now
+        full = view(1, budget=2)
+        for k in range(2):
+            r = req(200 + k, arrival=now - 5, slo=SLO.latency(1.0, 0.05), bound=400)
+            full.claim(r, now - 5)
+            full.first_token(r, now - 4.9)
+        return [busy, full]
+
+    def late() -> Request:
+        return req(1, arrival=now - 0.5, inp=500, slo=SLO.latency(1.0, 0.05))
+
+    views = fleet()
+    assert views[0].first_token_at(now, late()) > late().ttft_deadline
+    d = Scheduler.from_combo("gmax+gorouting").schedule(now, [late(), req(2, arrival=now, inp=500)], views)
+    assert [(r.rid, rid) for r, rid in d.dispatch] == [(2, 0)] and d.shed == []
+    d = Scheduler.from_combo("gmax+gorouting").schedule(now + 0.49, [late()], fleet())
+    assert d.dispatch == [] and [r.rid for r, _ in d.shed] == [1]
+    d = Scheduler.from_combo("gmax+gorouting?hold_late=false").schedule(now, [late(), req(2, arrival=now, inp=500)], fleet())
+    assert sorted(r.rid for r, _ in d.dispatch) == [1, 2]

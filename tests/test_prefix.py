@@ -203,8 +203,10 @@ def test_a_turn_waits_for_its_busy_holder_and_the_free_slot_goes_to_another():
     sched = Scheduler(FCFS(), GoRouting())
     d = sched.schedule(0.2, [turn, fresh], [holder, other])
     assert [(r.rid, rid) for r, rid in d.dispatch] == [(2, 1)]  # FCFS picked the turn first; it waits, the slot goes to the next
-    # Without slack the turn takes the free replica, cache or not.
+    # Without slack the turn takes the free replica, cache or not (its TTFT the gateway's default:
+    # a first token its client chose, late everywhere, would wait instead, GoRouting's `hold_late`).
     urgent = preq(3, (*conv, 42), slo=SLO.latency(0.05, 0.1))
+    urgent.ttft_chosen = False
     other.release(fresh, 0.3)
     d = sched.schedule(0.3, [urgent], [holder, other])
     assert [(r.rid, rid) for r, rid in d.dispatch] == [(3, 1)]

@@ -14,7 +14,10 @@ streams their timeline (measured, docs/benchmarks.md "Sitting L"). `pack: true` 
 rule for every request; `"chosen"` only for a request whose TBT someone chose (a client that
 sent no SLO is never packed: it judges the stream by the engine's pace). If no replica can
 meet the SLO (Δ_max ≤ 0) we take the least loaded one — the paper falls back to random,
-which under overload only adds queueing.
+which under overload only adds queueing — except a latency request not yet started whose client
+chose its TTFT and whose first token would be late on every replica with room (`hold_late`): it
+waits for a queue to drain, or for GMAX to refuse it, instead of failing its SLO and stalling
+the streams where it lands.
 
 `harm: true` (a knob, off; with `balance: overlap`) also counts, among light replicas, the stall req's prefill puts on each
 stream decoding there: one about to end waits as long as a young one (docs/benchmarks.md, S21b–c).
@@ -53,7 +56,7 @@ class GoRouting(PlacementPolicy):
 
     def __init__(self, alpha: float = 0.8, mu: float = 0.1, lam: float = 0.7, w_p: float = 1.0, w_d: float = 1.0,
                  wait_for_cache: float = 0.2, balance: Literal["overlap", "count", "share"] = "share",
-                 pack: bool | Literal["chosen"] = False, harm: bool = False,
+                 pack: bool | Literal["chosen"] = False, harm: bool = False, hold_late: bool = True,
                  seed: int = 0) -> None:
         super().__init__(seed)
         self.alpha, self.mu, self.lam, self.w_p, self.w_d = alpha, mu, lam, w_p, w_d
@@ -67,6 +70,9 @@ class GoRouting(PlacementPolicy):
         # ends that much later, however little it has left): knob, measured in docs/benchmarks.md.
         self.harm = harm
         self.wait_for_cache = wait_for_cache  # share of the prompt a full holder must hold more than any free replica (0: never wait)
+        # A latency request whose client chose its TTFT, not started, that no replica with room can
+        # give its first token in time waits (None) instead of going where it would be late anyway.
+        self.hold_late = hold_late
 
     def _value(self, r: Request) -> float:
         return r.tier.weight * (self.w_p + self.w_d * r.remaining_bound)
@@ -188,6 +194,23 @@ class GoRouting(PlacementPolicy):
         room = self.with_room(replicas)
         if self.busy_holder(now, req, replicas, room) is not None:
             return None
+        if self.hold_late and room and late_everywhere(now, req, room):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("hold %d: first token late on every replica with room (%s s vs due)", req.rid,
+                          [round(p.first_token_at(now, req) - req.ttft_deadline, 3) for p in room])
+            return None
         return self._choose(now, req, room)
+
+
+def late_everywhere(now: float, req: Request, room: Sequence[ReplicaView]) -> bool:
+    """A latency request not yet started, its TTFT chosen by its client, whose first token would
+    be late wherever it went now (behind each replica's queued prefill). Dispatched, it fails its
+    SLO by either rule and its prefill stalls every stream there (on real vLLM below the knee,
+    3 dispatched together behind 0.9 s of prefill: first tokens 0.7-1.3 s later); waiting, it
+    may still find a replica whose queue has drained, or it is refused when even the fastest
+    prefill cannot bring its first token in time (GMAX's `strict_ttft`)."""
+    if req.kind is not SLOClass.LATENCY or req.generated or not req.ttft_chosen or req.slo.ttft_s is None:
+        return False
+    return min(p.first_token_at(now, req) for p in room) > req.ttft_deadline
 
 
