@@ -158,6 +158,12 @@ class Request:
         return self.slo.kind
 
     @property
+    def first_token_pending(self) -> bool:
+        """A latency request with a first token still to come (not a paused answer): what lending,
+        absorbing and GoRouting's `hold_late` judge by its TTFT."""
+        return self.slo.kind is SLOClass.LATENCY and not self.generated and self.slo.ttft_s is not None
+
+    @property
     def ttft_deadline(self) -> float:
         """Absolute time the first token is due (for deadline classes: a derived budget)."""
         if self.slo.kind is SLOClass.LATENCY:

@@ -141,7 +141,7 @@ class Scheduler:
         pool = [p for p in replicas if p.room > 0 and p.role != "decode"]
         if not pool:
             return []
-        by_spare = self._by_spare(now, [r for r in waiting if _first_token_pending(r)], pool)
+        by_spare = self._by_spare(now, [r for r in waiting if r.first_token_pending], pool)
         out = self._lend(now, [r for s, _, r in by_spare if s <= self.at_risk_s], replicas, [p.overdraft for p in replicas])
         if any(p.lend_now for p in pool):
             out += self._lend(now, [r for s, _, r in by_spare if s > self.at_risk_s], replicas, [p.lend_now for p in replicas])
@@ -163,7 +163,7 @@ class Scheduler:
         # The first tokens due soonest only: a frame absorbs a few at most (each one spends the
         # streams' slack), and pricing every one of a long queue on every replica took 35 ms a
         # frame at 2,000 waiting (bench/absorb_cost.py).
-        due = heapq.nsmallest(ABSORB_LOOK, filter(_first_token_pending, waiting), key=lambda r: r.ttft_deadline)
+        due = heapq.nsmallest(ABSORB_LOOK, (r for r in waiting if r.first_token_pending), key=lambda r: r.ttft_deadline)
         out: list[tuple[Request, int]] = []
         timeline, debug = self.absorb_by == "timeline", log.isEnabledFor(logging.DEBUG)
         for _, _, req in (x for x in self._by_spare(now, due, pool) if x[0] <= self.at_risk_s):
@@ -215,9 +215,3 @@ class Scheduler:
             for p, x in zip(replicas, lent, strict=True):
                 p.budget -= x
         return out
-
-
-def _first_token_pending(r: Request) -> bool:
-    """A latency request with a first token still to come (not a paused answer): what lending and
-    absorbing may place beyond a budget."""
-    return r.kind is SLOClass.LATENCY and not r.generated and r.slo.ttft_s is not None

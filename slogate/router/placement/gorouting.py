@@ -209,8 +209,4 @@ def late_everywhere(now: float, req: Request, room: Sequence[ReplicaView]) -> bo
     3 dispatched together behind 0.9 s of prefill: first tokens 0.7-1.3 s later); waiting, it
     may still find a replica whose queue has drained, or it is refused when even the fastest
     prefill cannot bring its first token in time (GMAX's `strict_ttft`)."""
-    if req.kind is not SLOClass.LATENCY or req.generated or not req.ttft_chosen or req.slo.ttft_s is None:
-        return False
-    return min(p.first_token_at(now, req) for p in room) > req.ttft_deadline
-
-
+    return req.first_token_pending and req.ttft_chosen and min(p.first_token_at(now, req) for p in room) > req.ttft_deadline
