@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_engines import conversations
 
-from slogate.router.prefix import PrefixCache
+from slogate.router.prefix import PrefixCache, token_block_hashes
 
 Choose = Callable[[int, dict, list[int], list[PrefixCache]], int]
 
@@ -34,7 +34,7 @@ def replay(turns: list[dict], replicas: int, capacity: int | None, ids_per_block
     hit = total = 0
     for i, t in enumerate(turns):
         ids = t["hash_ids"]
-        blocks = [hash(tuple(ids[: (j + 1) * ids_per_block])) for j in range(len(ids) // ids_per_block)]  # chained: a block names its prefix
+        blocks = token_block_hashes(ids, ids_per_block)[0]  # chained: a block names its prefix
         c = caches[choose(i, t, blocks, caches)]
         hit += c.match(blocks) * ids_per_block
         total += len(ids)
