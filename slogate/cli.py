@@ -396,14 +396,22 @@ def engine(
     kv_cache_tokens: Annotated[int, typer.Option(help="KV cache in tokens: what the prefix cache holds, and the running sequences' bound")] = 400_000,
     fixed_ttft_ms: Annotated[float | None, typer.Option(help="fixed-latency mode: first token after this long, whatever the load")] = None,
     fixed_itl_ms: Annotated[float, typer.Option(help="fixed-latency mode: time between tokens")] = 20.0,
+    profile_file: Annotated[Path | None, typer.Option(help="a fitted profile (JSON with `coeffs`, e.g. bench/sim_vs_real.py "
+                                                       "calibrate's) instead of the built-in one")] = None,
+    max_batched_tokens: Annotated[int, typer.Option(help="tokens a step may hold (chunked prefill's budget)")] = 512,
+    chars_per_token: Annotated[float, typer.Option(help="how a text prompt is counted in tokens")] = 4.0,
 ) -> None:
     """A simulated vLLM engine (OpenAI API, vLLM /metrics) whose token timing follows the batch latency model."""
     import uvicorn
 
     from slogate.sim.server import create_engine_app
 
-    kw: dict[str, Any] = {"priority_scheduling": priority_scheduling}
+    kw: dict[str, Any] = {"priority_scheduling": priority_scheduling, "chars_per_token": chars_per_token}
     if fixed_ttft_ms is None:
-        kw.update(max_num_seqs=max_num_seqs, time_scale=time_scale, kv_capacity_tokens=kv_cache_tokens)
+        kw.update(max_num_seqs=max_num_seqs, time_scale=time_scale, kv_capacity_tokens=kv_cache_tokens, max_batched_tokens=max_batched_tokens)
+        if profile_file is not None:
+            from slogate.router.latency import LatencyCoeffs
+
+            kw["profile"] = LatencyCoeffs(**json.loads(profile_file.read_text())["coeffs"])
     uvicorn.run(create_engine_app(model, fixed_ttft_ms=fixed_ttft_ms, fixed_itl_ms=fixed_itl_ms, **kw),
                 host=host, port=port, log_level="warning")

@@ -132,3 +132,21 @@ def test_gateways_sharing_state_share_where_the_caches_are(redis_url: str, share
         assert min(received) >= 8, received  # each gateway learned the other's turns (12 each)
     else:
         assert received == [0, 0]
+
+
+def test_a_reset_prefix_cache_makes_the_same_prompt_miss_again() -> None:
+    """`POST /reset_prefix_cache`, as vLLM's dev mode has it: a benchmark runs each system on cold
+    caches (bench/real_engines.py --sim-engines), or a later system finds the blocks an earlier
+    one's identical prompts left."""
+    import httpx
+
+    with ServerThread(create_engine_app(MODEL)) as e:
+        c = openai.OpenAI(base_url=f"{e.url}/v1", api_key="unused", max_retries=0)
+        ask = [{"role": "user", "content": SYSTEM}]
+        c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2)
+        c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2)
+        warm = metric(e.url, "vllm:prefix_cache_hits_total")
+        assert warm > 0
+        assert httpx.post(f"{e.url}/reset_prefix_cache").status_code == 200
+        c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2)
+        assert metric(e.url, "vllm:prefix_cache_hits_total") == warm  # nothing found after the reset

@@ -41,3 +41,21 @@ def _has_router() -> bool:
     import shutil
 
     return shutil.which("vllm-router") is not None
+
+
+def test_the_benchmark_runs_on_simulated_engines_with_a_fitted_profile(tmp_path: Path) -> None:
+    """`--sim-engines`: the same bench on `slogate engine`s with a calibrated profile (the live
+    gateway in front of the simulator's engine model). It counts each prompt as the real
+    tokenizer does (the profile's tokens per n_in), so the engines see the prompts vLLM would."""
+    if not (ROOT.parent / "shared" / "data" / "trace_azure2023_conv.csv").exists():
+        pytest.skip("../shared/data is not there")
+    out = tmp_path / "sim.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--sim-engines",
+                        str(ROOT / "bench" / "results" / "vllm_cpu_profile_s24.json"), "--replicas", "1", "--rates", "2", "--repeats", "1",
+                        "--duration", "6", "--warmup", "2", "--max-output", "48", "--systems", "slogate", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["sent"] > 0 and row["errors"] == 0 and row["completed"] > 0, row
+    assert len(row["outcomes"]) == row["sent"]
+    assert row["engine_batch_per_token"], row  # the simulated engines report vLLM's running count

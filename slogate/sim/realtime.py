@@ -14,7 +14,7 @@ import itertools
 import random
 import time
 
-from slogate.router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel
+from slogate.router.latency import DEFAULT_PROFILE, PROFILES, BatchLatencyModel, LatencyCoeffs
 from slogate.router.prefix import BLOCK_CHARS
 from slogate.router.request import SLO
 from slogate.router.request import Request as CoreRequest
@@ -27,9 +27,10 @@ class RealtimeEngine:
     """EngineSim stepped on the wall clock. `time_scale` > 1 slows it down (e.g. to make a
     fast profile saturate at a rate a test can produce)."""
 
-    def __init__(self, profile: str = DEFAULT_PROFILE, max_num_seqs: int = 64, max_batched_tokens: int = 512,
+    def __init__(self, profile: str | LatencyCoeffs = DEFAULT_PROFILE, max_num_seqs: int = 64, max_batched_tokens: int = 512,
                  kv_capacity_tokens: int = 400_000, time_scale: float = 1.0, priority_scheduling: bool = False) -> None:
-        self.eng = EngineSim(0, BatchLatencyModel(PROFILES[profile]), max_num_seqs, max_batched_tokens, kv_capacity_tokens)
+        coeffs = PROFILES[profile] if isinstance(profile, str) else profile  # a named profile or fitted coefficients
+        self.eng = EngineSim(0, BatchLatencyModel(coeffs), max_num_seqs, max_batched_tokens, kv_capacity_tokens)
         self.time_scale = time_scale
         self.priority_scheduling = priority_scheduling
         self._ids = itertools.count()

@@ -103,7 +103,8 @@ def _continued_tokens(body: dict[str, Any], chat: bool) -> int:
 
 
 def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = None, fixed_itl_ms: float = 20.0,
-                      fixed_kw: dict[str, Any] | None = None, hold_every: int = 0, models_delay_ms: float = 0.0, **engine_kw: Any) -> FastAPI:
+                      fixed_kw: dict[str, Any] | None = None, hold_every: int = 0, models_delay_ms: float = 0.0,
+                      chars_per_token: float = 4.0, **engine_kw: Any) -> FastAPI:
     """`fixed_ttft_ms` set: a fixed-latency engine (FixedLatencyEngine, `fixed_kw`: its jitter
     and stalls) instead of the batch model. `hold_every` k > 1: streamed with token ids, token
     tokN with N % k == k − 1 is part of a character as vLLM's detokenizer sees it: its text is
@@ -111,7 +112,8 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
     (a busy engine merging two steps); a continuation whose prompt ids end with it gets vLLM's
     answer to a prompt ending inside a character: the whole prompt back as answer text (here
     "ECHO "). `models_delay_ms`: `/v1/models` answers that late (vLLM's API server on saturated
-    cores) while tokens keep flowing."""
+    cores) while tokens keep flowing. `chars_per_token`: how a text prompt is counted (a real
+    tokenizer's ratio on the client's text, to stand in for a real engine on the same prompts)."""
     state: dict[str, Any] = {}
 
     @contextlib.asynccontextmanager
@@ -134,6 +136,15 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's (dev mode): forget every cached block, so the next system a benchmark runs
+        starts cold, as it does on real engines."""
+        e = engine().eng
+        e.prefix_cache = None
+        e.answers.clear()
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -173,10 +184,10 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
 
     def _tokens(body: dict[str, Any], max_key: str) -> tuple[int, int, AsyncIterator[int]]:
         text = _prompt_text(body)
-        n_in = len(body["prompt"]) if isinstance(body.get("prompt"), list) else len(text) // 4 + 1
+        n_in = len(body["prompt"]) if isinstance(body.get("prompt"), list) else int(len(text) / chars_per_token) + 1
         n_out = answer_length(text, body.get(max_key) or body.get("max_completion_tokens"), bool(body.get("ignore_eos")))
         e = engine()
-        # Prefix caching on the prompt's text blocks (4 characters a token, as n_in counts).
+        # Prefix caching on the prompt's text blocks (4 characters a token).
         rid, q = e.submit(n_in, n_out, int(body.get("priority") or 0), text_block_hashes(text))
 
         async def gen() -> AsyncIterator[int]:
