@@ -66,11 +66,12 @@ class RealtimeEngine:
         e = self.eng
         return 1.0 - e.free_blocks / max(e.total_blocks, 1)
 
-    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = ()) -> tuple[int, asyncio.Queue[int | None]]:
+    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = (),
+               chars_per_token: float = 4.0) -> tuple[int, asyncio.Queue[int | None]]:
         rid = next(self._ids)
         q: asyncio.Queue[int | None] = asyncio.Queue()
         self._queues[rid] = q
-        creq = CoreRequest(rid, time.monotonic(), max(prompt_tokens, 1), _SLO, prefix=prefix, tokens_per_block=BLOCK_CHARS / 4)
+        creq = CoreRequest(rid, time.monotonic(), max(prompt_tokens, 1), _SLO, prefix=prefix, tokens_per_block=BLOCK_CHARS / chars_per_token)
         seq = Seq(creq, max(out_tokens, 1))
         if self.priority_scheduling:
             key = (priority, rid)
@@ -146,7 +147,8 @@ class FixedLatencyEngine:
     waiting = 0
     kv_usage = 0.0
 
-    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = ()) -> tuple[int, asyncio.Queue[int | None]]:
+    def submit(self, prompt_tokens: int, out_tokens: int, priority: int = 0, prefix: tuple[int, ...] = (),
+               chars_per_token: float = 4.0) -> tuple[int, asyncio.Queue[int | None]]:
         rid = next(self._ids)
         q: asyncio.Queue[int | None] = asyncio.Queue()
 

@@ -187,8 +187,8 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         n_in = len(body["prompt"]) if isinstance(body.get("prompt"), list) else int(len(text) / chars_per_token) + 1
         n_out = answer_length(text, body.get(max_key) or body.get("max_completion_tokens"), bool(body.get("ignore_eos")))
         e = engine()
-        # Prefix caching on the prompt's text blocks (4 characters a token).
-        rid, q = e.submit(n_in, n_out, int(body.get("priority") or 0), text_block_hashes(text))
+        # Prefix caching on the prompt's text blocks (a block is as many tokens as n_in counts in its characters).
+        rid, q = e.submit(n_in, n_out, int(body.get("priority") or 0), text_block_hashes(text), chars_per_token)
 
         async def gen() -> AsyncIterator[int]:
             try:
@@ -311,7 +311,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         dims = body.get("dimensions") or 16
         if not isinstance(dims, int) or not 1 <= dims <= 16384:
             return _err(400, "dimensions must be an integer from 1 to 16384", param="dimensions")
-        n_in = sum(len(x) if isinstance(x, list) else len(str(x)) // 4 + 1 for x in items)
+        n_in = sum(len(x) if isinstance(x, list) else int(len(str(x)) / chars_per_token) + 1 for x in items)
         e = engine()
         rid, q = e.submit(n_in, 1, int(body.get("priority") or 0))
         try:
