@@ -150,3 +150,19 @@ def test_a_reset_prefix_cache_makes_the_same_prompt_miss_again() -> None:
         assert httpx.post(f"{e.url}/reset_prefix_cache").status_code == 200
         c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2)
         assert metric(e.url, "vllm:prefix_cache_hits_total") == warm  # nothing found after the reset
+
+
+def test_the_simulated_engine_reports_vllms_latency_histograms() -> None:
+    """`vllm:time_to_first_token_seconds` and `vllm:request_time_per_output_token_seconds` (sum
+    and count), which bench/real_engines.py reads of vLLM for the engines' own side: a run on
+    `--sim-engines` reports them too, so the two compare."""
+    with ServerThread(create_engine_app(MODEL)) as e:
+        c = openai.OpenAI(base_url=f"{e.url}/v1", api_key="unused", max_retries=0)
+        for _ in range(3):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": SYSTEM}], max_tokens=12,
+                                      extra_body={"ignore_eos": True})
+        assert metric(e.url, "vllm:time_to_first_token_seconds_count") == 3
+        assert metric(e.url, "vllm:request_time_per_output_token_seconds_count") == 3
+        ttft = metric(e.url, "vllm:time_to_first_token_seconds_sum") / 3
+        tpot = metric(e.url, "vllm:request_time_per_output_token_seconds_sum") / 3
+    assert 0 < ttft < 2.0 and 0 < tpot < 0.5, (ttft, tpot)

@@ -41,6 +41,11 @@ class RealtimeEngine:
         self.aborted = 0
         self.finished = 0
         self.peak = 0  # most requests ever in the engine at once (running + waiting)
+        # vLLM's own latency histograms, as sums and counts: first tokens from arrival here, and each
+        # finished request's mean time per output token (what bench/real_engines.py reads of vLLM).
+        self.ttft_sum = self.tpot_sum = 0.0
+        self.ttft_count = self.tpot_count = 0
+        self._first: dict[int, float] = {}
 
     def start(self) -> None:
         if self._task is None:
@@ -89,6 +94,7 @@ class RealtimeEngine:
         if self._queues.pop(rid, None) is not None and self.eng.abort(rid) is not None:
             self.aborted += 1
         self._prio.pop(rid, None)
+        self._first.pop(rid, None)
 
     async def _run(self) -> None:
         eng = self.eng
@@ -99,14 +105,23 @@ class RealtimeEngine:
                 await self._wake.wait()
                 continue
             await asyncio.sleep(dt * self.time_scale)
+            now = time.monotonic()
             for s in eng.finish_step():
                 rid = s.req.rid
                 s.req.generated += 1
+                if s.req.generated == 1:
+                    self._first[rid] = now
+                    self.ttft_sum += now - s.req.arrival
+                    self.ttft_count += 1
                 q = self._queues.get(rid)
                 if q is not None:
                     q.put_nowait(s.req.generated)
                 if s.req.generated >= s.true_len:
                     eng.remove(s)
+                    first = self._first.pop(rid, now)
+                    if s.req.generated > 1:
+                        self.tpot_sum += (now - first) / (s.req.generated - 1)
+                        self.tpot_count += 1
                     self._prio.pop(rid, None)
                     if self._queues.pop(rid, None) is not None:
                         q.put_nowait(None)  # type: ignore[union-attr]

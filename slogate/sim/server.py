@@ -166,6 +166,11 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
                 f"# TYPE slogate_sim_aborted_total counter\nslogate_sim_aborted_total{lab} {e.aborted}\n"
                 f"# TYPE slogate_sim_finished_total counter\nslogate_sim_finished_total{lab} {e.finished}\n"
                 f"# TYPE slogate_sim_peak_requests gauge\nslogate_sim_peak_requests{lab} {e.peak}\n")
+        if isinstance(e, RealtimeEngine):  # vLLM's latency histograms, as their sums and counts (one +Inf bucket)
+            for name, total, n in (("vllm:time_to_first_token_seconds", e.ttft_sum, e.ttft_count),
+                                   ("vllm:request_time_per_output_token_seconds", e.tpot_sum, e.tpot_count)):
+                text += (f"# TYPE {name} histogram\n{name}_bucket{{model_name=\"{model}\",le=\"+Inf\"}} {n}\n"
+                         f"{name}_sum{lab} {total}\n{name}_count{lab} {n}\n")
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def _body(request: Request) -> dict[str, Any] | JSONResponse:
