@@ -45,7 +45,6 @@ class RealtimeEngine:
         # finished request's mean time per output token (what bench/real_engines.py reads of vLLM).
         self.ttft_sum = self.tpot_sum = 0.0
         self.ttft_count = self.tpot_count = 0
-        self._first: dict[int, float] = {}
 
     def start(self) -> None:
         if self._task is None:
@@ -94,7 +93,6 @@ class RealtimeEngine:
         if self._queues.pop(rid, None) is not None and self.eng.abort(rid) is not None:
             self.aborted += 1
         self._prio.pop(rid, None)
-        self._first.pop(rid, None)
 
     async def _run(self) -> None:
         eng = self.eng
@@ -110,7 +108,7 @@ class RealtimeEngine:
                 rid = s.req.rid
                 s.req.generated += 1
                 if s.req.generated == 1:
-                    self._first[rid] = now
+                    s.req.first_token_at = now
                     self.ttft_sum += now - s.req.arrival
                     self.ttft_count += 1
                 q = self._queues.get(rid)
@@ -118,9 +116,8 @@ class RealtimeEngine:
                     q.put_nowait(s.req.generated)
                 if s.req.generated >= s.true_len:
                     eng.remove(s)
-                    first = self._first.pop(rid, now)
-                    if s.req.generated > 1:
-                        self.tpot_sum += (now - first) / (s.req.generated - 1)
+                    if s.req.generated > 1 and s.req.first_token_at is not None:
+                        self.tpot_sum += (now - s.req.first_token_at) / (s.req.generated - 1)
                         self.tpot_count += 1
                     self._prio.pop(rid, None)
                     if self._queues.pop(rid, None) is not None:

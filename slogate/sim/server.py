@@ -133,6 +133,10 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
     def engine() -> RealtimeEngine:
         return state["engine"]
 
+    def tokens_in(text: str) -> int:
+        """A text's tokens, `chars_per_token` characters each (prompts and embedding inputs alike)."""
+        return int(len(text) / chars_per_token) + 1
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -189,7 +193,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
 
     def _tokens(body: dict[str, Any], max_key: str) -> tuple[int, int, AsyncIterator[int]]:
         text = _prompt_text(body)
-        n_in = len(body["prompt"]) if isinstance(body.get("prompt"), list) else int(len(text) / chars_per_token) + 1
+        n_in = len(body["prompt"]) if isinstance(body.get("prompt"), list) else tokens_in(text)
         n_out = answer_length(text, body.get(max_key) or body.get("max_completion_tokens"), bool(body.get("ignore_eos")))
         e = engine()
         # Prefix caching on the prompt's text blocks (a block is as many tokens as n_in counts in its characters).
@@ -316,7 +320,7 @@ def create_engine_app(model: str = "sim-model", fixed_ttft_ms: float | None = No
         dims = body.get("dimensions") or 16
         if not isinstance(dims, int) or not 1 <= dims <= 16384:
             return _err(400, "dimensions must be an integer from 1 to 16384", param="dimensions")
-        n_in = sum(len(x) if isinstance(x, list) else int(len(str(x)) / chars_per_token) + 1 for x in items)
+        n_in = sum(len(x) if isinstance(x, list) else tokens_in(str(x)) for x in items)
         e = engine()
         rid, q = e.submit(n_in, 1, int(body.get("priority") or 0))
         try:
