@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from array import array
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from slogate.gateway.slo import resolve
 from slogate.gateway.sse import hide_ids, inspect
 from slogate.gateway.upstream import Upstream, engine_asks
 from slogate.gateway.workflows import WorkflowBook
+from slogate.router.prefix import PrefixCache, text_block_hashes
 from slogate.router.registry import make_ordering, make_placement
 from slogate.router.request import SLO, Request, SLOClass
 from slogate.router.scheduler import Scheduler
@@ -298,9 +300,12 @@ def test_the_debug_log_says_where_each_request_went_and_why(caplog: pytest.LogCa
     async def go() -> int | None:
         clock = [10.0]
         views = [view(0), view(1)]
+        for v in views:  # prefix caches tracked, both cold
+            v.cache = PrefixCache(1000)
         adm = Admission(Scheduler(make_ordering("gmax"), make_placement("gorouting")), views, clock=lambda: clock[0])
         q = Request(1, 10.0, 200, SLO.latency(1.0, 0.05))
         q.len_bound = q.len_mean = 50
+        q.prefix, q.tokens_per_block = text_block_hashes("a prompt no replica has seen " * 30), 32.0
         t = await adm.acquire(q, waiting_s=5.0)
         clock[0] = 10.3
         adm.tokens(t, 1, clock[0])
@@ -312,4 +317,8 @@ def test_the_debug_log_says_where_each_request_went_and_why(caplog: pytest.LogCa
     assert "candidates [0, 1]" in place and "light" in place
     dispatch = next(m for m in lines if m.startswith("dispatch 1 "))
     assert f"to {rid} after" in dispatch and "0: " in dispatch and "1: " in dispatch and "backlog" in dispatch
+    # Its own prefill is the same on both cold replicas: on the one chosen, not priced as a hit on
+    # the prompt `claim` has just entered in that replica's prefix picture.
+    own = re.findall(r"own prefill ([0-9.]+) s", dispatch)
+    assert len(own) == 2 and own[0] == own[1] and float(own[0]) > 0, dispatch
     assert f"first token 1 on {rid}: 0.300 s after dispatch" in lines

@@ -297,10 +297,14 @@ class Admission:
         t.fut.set_result(rid)
         self.lifecycle.dispatched(req, now)  # `claim` set its replica and dispatch time
         if log.isEnabledFor(logging.DEBUG):  # where it went and what each replica held (placement's inputs)
+            # On the replica chosen, `claim` has queued req (its backlog includes req's prefill) and
+            # entered its prompt in the prefix picture: its own prefill is priced by the hit found
+            # before (`req.cached`), not by a match against itself.
             log.debug("dispatch %d (%d tokens, bound %.0f) to %d after %.3f s waiting; replicas: %s", req.rid, req.context_tokens,
                       req.remaining_bound, rid, now - req.arrival,
                       "; ".join(f"{v.rid}: {len(v.prefill_queue)} prefilling, backlog {v.prefill_backlog(now):.3f} s, "
-                                f"{v.n_decode} decoding, overlap {v.overlap(req):.2f}, own prefill {v.prefill_cost(req):.3f} s"
+                                f"{v.n_decode} decoding, overlap {v.overlap(req):.2f}, "
+                                f"own prefill {v.prefill_cost(req, req.cached if v.rid == rid else None):.3f} s"
                                 for v in self.views))
 
     def preempt(self, req: Request) -> bool:
