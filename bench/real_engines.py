@@ -715,6 +715,8 @@ def engine_bench_args(ap: argparse.ArgumentParser, rates: str, repeats: int, sys
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--rates", default=rates)
     ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--first-seed", type=int, default=0, help="the first repeat's arrival seed (repeat k uses seed first + k): "
+                    "more arrivals for a rate measured before, without running its seeds again")
     ap.add_argument("--duration", type=float, default=40)
     ap.add_argument("--systems", default=systems,
                     help="comma-separated: slogate, slogate@KNOBS.yaml (a variant), slogate#TREE (the gateway from another "
@@ -780,7 +782,7 @@ def main() -> None:
         if a.warmup > 0:
             asyncio.run(warm())
             time.sleep(2)
-        for rep in range(a.repeats):
+        for rep in range(a.first_seed, a.first_seed + a.repeats):
             for rate in [float(x) for x in a.rates.split(",")]:
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]  # rotate: no system always goes first
                 for system in order:
