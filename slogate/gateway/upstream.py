@@ -29,6 +29,7 @@ from slogate.gateway.sse import KEEPALIVE, EventInfo, EventSplitter, hide_ids, i
 log = logging.getLogger("slogate.gateway")
 
 Event = tuple[bytes, EventInfo | None, float]  # the event's bytes, what it carries, when it arrived
+READ_MAX = 1 << 16  # bytes of one upstream read (see `_read`)
 
 
 def engine_asks(kind: str, stream: bool, with_ids: bool, by_id_count: bool) -> dict[str, Any]:
@@ -264,7 +265,10 @@ class Upstream:
                     yield KEEPALIVE, None, time.monotonic()
                     continue
             else:
-                chunk = await content.readany()
+                # At most READ_MAX at a time: what a stalled reader's stream holds in parsed events
+                # is bounded by it, not by how much the engine made meanwhile (~1,000 events, 0.4 MB,
+                # in one `readany` of a fast engine's burst).
+                chunk = await content.read(READ_MAX)
             events = sp.feed(chunk) if chunk else sp.rest()
             now = time.monotonic()
             for ev in events:
