@@ -86,6 +86,12 @@ def test_the_scheduler_absorbs_only_first_tokens_about_to_be_lost_and_only_when_
     # attainment fell 94% → 77% past the knee before this rule).
     views = [_full(0, now, 0.048), _full(1, now, 0.025)]
     assert on.schedule(now, [_at_risk(6, now), deadline], views).dispatch == []
+    # `absorb_beside_deadlines`: it is absorbed all the same; the answer with a deadline still
+    # waits for a slot (it is no first token about to be lost).
+    beside = Scheduler.from_combo("gmax+gorouting")
+    beside.absorb = beside.absorb_beside_deadlines = True
+    views = [_full(0, now, 0.048), _full(1, now, 0.025)]
+    assert [(r.rid, rid) for r, rid in beside.schedule(now, [_at_risk(6, now), deadline], views).dispatch] == [(6, 1)]
     # Nowhere with slack: it waits (and GMAX refuses it once its first token is lost).
     assert on.schedule(now, [_at_risk(5, now)], [_full(0, now, 0.048), _full(1, now, 0.049)]).dispatch == []
 
@@ -135,12 +141,13 @@ def test_the_gateway_hands_absorb_to_its_scheduler() -> None:
     model = "sim-model"
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(model)))
-        app = create_app(GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": [model]}], "capacity": {"absorb": False, "absorb_by": "tpot"}}))
+        app = create_app(GatewayConfig.model_validate({"backends": [{"url": eng.url, "models": [model]}], "capacity": {"absorb": False, "absorb_by": "tpot",
+                                                                                                                               "absorb_beside_deadlines": True}}))
         gw = st.enter_context(ServerThread(app))
         c = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="x", max_retries=0)
         assert c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
         sched = app.state.gateway.groups[model].scheduler
-        assert sched.absorb is False and sched.absorb_by == "tpot"
+        assert sched.absorb is False and sched.absorb_by == "tpot" and sched.absorb_beside_deadlines is True
     assert GatewayConfig.model_validate({"backends": [{"url": "http://127.0.0.1:1"}]}).capacity.absorb is True  # the default
 
 

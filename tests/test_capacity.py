@@ -444,7 +444,7 @@ def test_the_gateway_and_the_simulator_build_the_same_learner_from_the_same_knob
     assert CapacityConfig().knobs() == LearnerKnobs()  # the same defaults
     assert {f.name for f in fields(LearnerKnobs)} <= set(CapacityConfig.model_fields)
     set_ = CapacityConfig(margin=0.7, slow_start_budget=4, on_stalls="cut", stalls_below=0.8, overdraft=False, overdraft_within_s=2.0,
-                          lend_to=0.8, lend_now_below=0.5, absorb=True, absorb_by="tpot").knobs()
+                          lend_to=0.8, lend_now_below=0.5, absorb=True, absorb_by="tpot", absorb_beside_deadlines=True).knobs()
     live = set_.learner(48)
     assert (live.margin, live.budget, live.on_stalls, live.overdraft_on, live.lend_to, live.lend_now_below) == (0.7, 4, "cut", False, 0.8, 0.5)
     assert live.stalls_below == 0.8
@@ -455,7 +455,7 @@ def test_the_gateway_and_the_simulator_build_the_same_learner_from_the_same_knob
                      n_replicas=2)
     assert sim.learners is not None
     assert [(lr.budget, lr.margin, lr.lend_to, lr.on_stalls) for lr in sim.learners] == [(4, 0.7, 0.8, "cut")] * 2
-    assert sched.at_risk_s == 2.0 and sched.absorb is True and sched.absorb_by == "tpot"
+    assert sched.at_risk_s == 2.0 and sched.absorb is True and sched.absorb_by == "tpot" and sched.absorb_beside_deadlines is True
 
 
 def test_the_bins_summary_shows_what_the_line_is_fitted_on() -> None:

@@ -173,7 +173,8 @@ class Gateway:
             if m not in self.groups:
                 sched = Scheduler(make_ordering(p.ordering, seed=p.seed, **p.params), make_placement(p.placement, seed=p.seed, **p.placement_params),
                                   at_risk_s=self.cfg.capacity.overdraft_within_s, resume_within_s=p.resume_within_s,
-                                  absorb=self.cfg.capacity.absorb and self.cfg.capacity.learn, absorb_by=self.cfg.capacity.absorb_by)
+                                  absorb=self.cfg.capacity.absorb and self.cfg.capacity.learn, absorb_by=self.cfg.capacity.absorb_by,
+                                  absorb_beside_deadlines=self.cfg.capacity.absorb_beside_deadlines)
                 self.groups[m] = adm = Admission(sched, [], hooks=_Hooks(m, self.metrics, self.state, self.fleet), max_queue=self.cfg.max_queue,
                                                  frame_s=p.frame_s, predictor=self.predictor, refine_every=self.cfg.predictor.refine_every)
                 adm.start()

@@ -33,12 +33,14 @@ class Scheduler:
     returns the decisions; the driver carries them out."""
 
     def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy, at_risk_s: float = AT_RISK_S,
-                 resume_within_s: float = RESUME_WITHIN_S, absorb: bool = False, absorb_by: str = "timeline") -> None:
+                 resume_within_s: float = RESUME_WITHIN_S, absorb: bool = False, absorb_by: str = "timeline",
+                 absorb_beside_deadlines: bool = False) -> None:
         self.ordering = ordering
         self.placement = placement
         self.at_risk_s = at_risk_s  # a first token due within this (beyond its prefill) may take an overdraft slot
         self.absorb = absorb  # then, one still waiting goes where the streams running can absorb it (ReplicaView.absorbs)
         self.absorb_by = absorb_by  # the rule the streams running are kept on time by: "timeline" or "tpot"
+        self.absorb_beside_deadlines = absorb_beside_deadlines  # absorb also while an answer with a deadline waits
         # A paused answer's reader is mid-answer: after this long it takes the next free slot
         # before anything else, wherever that is (no ordering's priority or cached holder keeps it).
         self.resume_within_s = placement.resume_within_s = resume_within_s
@@ -152,12 +154,13 @@ class Scheduler:
         lent anywhere: each goes, most urgent first, to the replica where its first token comes
         soonest among those whose running streams can absorb it (`ReplicaView.absorbs`) and
         where it is still on time. A refusal loses the request for certain; this admits it only
-        where no stream on time now is put late by it. Not while an answer with a deadline waits:
-        the ordering decides who takes the next slot, and a stream slipped in beyond the budget
-        would take that answer's time (in simulation deadline attainment past the knee fell from
-        94% to 77% without this rule)."""
+        where no stream on time now is put late by it. Unless `absorb_beside_deadlines`, not while
+        an answer with a deadline waits: the ordering decides who takes the next slot, and a stream
+        slipped in beyond the budget would take that answer's time (in simulation deadline
+        attainment past the knee fell from 94% to 77% without this rule)."""
         pool = [p for p in replicas if p.healthy and p.role != "decode" and p.decoding]
-        if not pool or any(r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND) and not r.generated for r in waiting):
+        if not pool or (not self.absorb_beside_deadlines
+                        and any(r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND) and not r.generated for r in waiting)):
             return []
         cost = fleet_stream_cost(replicas)
         # The first tokens due soonest only: a frame absorbs a few at most (each one spends the

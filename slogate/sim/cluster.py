@@ -122,6 +122,7 @@ class ClusterSim:
             self.learners = [engine.capacity.learner(engine.budget) for _ in range(n_replicas)]
             scheduler.at_risk_s = engine.capacity.overdraft_within_s  # the gateway's side of lending (Scheduler's at_risk_s)
             scheduler.absorb, scheduler.absorb_by = engine.capacity.absorb, engine.capacity.absorb_by
+            scheduler.absorb_beside_deadlines = engine.capacity.absorb_beside_deadlines
         for v, lr in zip(self.views, self.learners or (), strict=False):
             v.budget = lr.budget
         self.budget_samples: list[int] = []
