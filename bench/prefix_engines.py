@@ -303,7 +303,7 @@ def main() -> None:
             await asyncio.gather(*(replay(u, warm) for u in urls))
 
         asyncio.run(warm_up())
-        for rep in range(a.repeats):
+        for rep in range(a.first_seed, a.first_seed + a.repeats):  # repeat k: arrivals of seed first + k (as real_engines.py)
             for rate in [float(x) for x in a.rates.split(",")]:
                 reqs = arrivals(turns, rate, a.duration, rep, a.tokens_per_id, a.max_out)
                 if a.token_prompts:
