@@ -94,6 +94,16 @@ def test_the_scheduler_absorbs_only_first_tokens_about_to_be_lost_and_only_when_
     assert [(r.rid, rid) for r, rid in beside.schedule(now, [_at_risk(6, now), deadline], views).dispatch] == [(6, 1)]
     # Nowhere with slack: it waits (and GMAX refuses it once its first token is lost).
     assert on.schedule(now, [_at_risk(5, now)], [_full(0, now, 0.048), _full(1, now, 0.049)]).dispatch == []
+    # "slack": beside an answer that could wait out the absorbed stream's expected life (200
+    # tokens at ~25 ms: ~5 s) and still end by its deadline, not beside one that could not.
+    slack = Scheduler.from_combo("gmax+gorouting")
+    slack.absorb, slack.absorb_beside_deadlines = True, "slack"
+    roomy = req(7, arrival=now - 0.6, inp=200, slo=SLO.deadline(60.0), bound=400, mean=200)
+    views = [_full(0, now, 0.048), _full(1, now, 0.025)]
+    assert [(r.rid, rid) for r, rid in slack.schedule(now, [_at_risk(6, now), roomy], views).dispatch] == [(6, 1)]
+    pressed = req(8, arrival=now - 0.6, inp=200, slo=SLO.deadline(8.0), bound=400, mean=200)  # ~5 s of tokens, 7.4 s left
+    views = [_full(0, now, 0.048), _full(1, now, 0.025)]
+    assert slack.schedule(now, [_at_risk(6, now), pressed], views).dispatch == []
 
 
 def test_full_replicas_are_reconsidered_each_frame_when_absorbing() -> None:

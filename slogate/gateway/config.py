@@ -228,9 +228,11 @@ class CapacityConfig(_Strict):
     absorb_by: Literal["timeline", "tpot"] = Field(LearnerKnobs.absorb_by, description="How `absorb` keeps the streams running on time: "
                                                   "by mean TPOT and the per-token timeline (`timeline`), or by mean TPOT alone (`tpot`, as "
                                                   "guidellm and `vllm bench serve` judge a stream).")
-    absorb_beside_deadlines: bool = Field(LearnerKnobs.absorb_beside_deadlines, description="`absorb` also while an answer with a "
-                                          "deadline waits for a slot (false: the deadline answers' slack is kept for them, and a "
-                                          "latency request at risk is refused).")
+    absorb_beside_deadlines: bool | Literal["slack"] = Field(LearnerKnobs.absorb_beside_deadlines, description="`absorb` also while an "
+                                                             "answer with a deadline waits for a slot: `true` always; `slack` only "
+                                                             "when every such answer could wait out the absorbed stream's life and "
+                                                             "still end on time; `false` never (the deadline answers' slack is kept "
+                                                             "for them, and a latency request at risk is refused).")
     lend_to: float | None = Field(LearnerKnobs.lend_to, gt=0, le=1, description="The pace, as a share of the TBT target, that slots lent to first tokens may "
                                   "raise a replica to (default: `margin`).")
     engine_metrics: bool = Field(True, description="Read vLLM's /metrics (`vllm:num_requests_running`, `_waiting`, `kv_cache_usage_perc`) "

@@ -633,8 +633,9 @@ class LearnerKnobs:
     # What keeps the streams running on time: "timeline" (and mean TPOT) or "tpot" alone (not
     # better at the knee on real vLLM: sitting CA).
     absorb_by: str = "timeline"
-    # Absorb also while an answer with a deadline waits for a slot (Scheduler.absorb_beside_deadlines).
-    absorb_beside_deadlines: bool = False
+    # Absorb also while an answer with a deadline waits for a slot: True, False or "slack"
+    # (Scheduler.absorb_beside_deadlines).
+    absorb_beside_deadlines: bool | str = False
 
     def learner(self, cap: int, start: int | None = None, slow_start: bool = True) -> CapacityLearner:
         """A replica's learner under the configured budget `cap`; `start` and `slow_start` are the

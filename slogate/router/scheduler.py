@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,22 @@ log = logging.getLogger("slogate.scheduler")
 ABSORB_LOOK = 32
 
 
+def deadline_spare(now: float, answers: Sequence[Request], pool: Sequence[ReplicaView]) -> float:
+    """How long the most pressed of `answers` (deadline answers waiting for a slot) could still
+    wait and end by its deadline on its best replica of `pool`: its first token after the
+    prefill queued there and its own, then its expected length (`expected_left`) at the pace
+    that replica's streams get. Priced for the ABSORB_LOOK answers whose deadlines come first (a long queue
+    costs no more than that)."""
+    first = heapq.nsmallest(ABSORB_LOOK, answers, key=lambda r: r.deadline_at)
+    return min(max(r.deadline_at - p.first_token_at(now, r) - expected_left(r) * p.pace_now(now) for p in pool) for r in first)
+
+
+def expected_left(r: Request) -> float:
+    """Tokens `r` is expected to generate still: the predictor's point estimate, not its bound
+    (a bound several times the answer judged every deadline answer late and every stream endless)."""
+    return max(r.len_mean - r.generated, 1.0)
+
+
 @dataclass(slots=True)
 class Decisions:
     dispatch: list[tuple[Request, int]] = field(default_factory=list)  # (request, replica id)
@@ -34,13 +51,15 @@ class Scheduler:
 
     def __init__(self, ordering: OrderingPolicy, placement: PlacementPolicy, at_risk_s: float = AT_RISK_S,
                  resume_within_s: float = RESUME_WITHIN_S, absorb: bool = False, absorb_by: str = "timeline",
-                 absorb_beside_deadlines: bool = False) -> None:
+                 absorb_beside_deadlines: bool | str = False) -> None:
         self.ordering = ordering
         self.placement = placement
         self.at_risk_s = at_risk_s  # a first token due within this (beyond its prefill) may take an overdraft slot
         self.absorb = absorb  # then, one still waiting goes where the streams running can absorb it (ReplicaView.absorbs)
         self.absorb_by = absorb_by  # the rule the streams running are kept on time by: "timeline" or "tpot"
-        self.absorb_beside_deadlines = absorb_beside_deadlines  # absorb also while an answer with a deadline waits
+        # Absorb also while an answer with a deadline waits: never (False), always (True), or
+        # "slack": when every such answer could wait out the absorbed stream's life and still end on time.
+        self.absorb_beside_deadlines = absorb_beside_deadlines
         # A paused answer's reader is mid-answer: after this long it takes the next free slot
         # before anything else, wherever that is (no ordering's priority or cached holder keeps it).
         self.resume_within_s = placement.resume_within_s = resume_within_s
@@ -157,11 +176,19 @@ class Scheduler:
         where no stream on time now is put late by it. Unless `absorb_beside_deadlines`, not while
         an answer with a deadline waits: the ordering decides who takes the next slot, and a stream
         slipped in beyond the budget would take that answer's time (in simulation deadline
-        attainment past the knee fell from 94% to 77% without this rule)."""
+        attainment past the knee fell from 94% to 77% without this rule). With "slack", only
+        where that answer has the time to spare (`deadline_spare`)."""
         pool = [p for p in replicas if p.healthy and p.role != "decode" and p.decoding]
-        if not pool or (not self.absorb_beside_deadlines
-                        and any(r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND) and not r.generated for r in waiting)):
+        beside = self.absorb_beside_deadlines
+        if not pool:
             return []
+        spare = math.inf  # the least time any waiting deadline answer could still wait for a slot
+        if beside is not True:
+            answers = [r for r in waiting if r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND) and not r.generated]
+            if answers and beside != "slack":
+                return []
+            if answers:
+                spare = deadline_spare(now, answers, pool)
         cost = fleet_stream_cost(replicas)
         # The first tokens due soonest only: a frame absorbs a few at most (each one spends the
         # streams' slack), and pricing every one of a long queue on every replica took 35 ms a
@@ -188,9 +215,17 @@ class Scheduler:
                     + (f", pace {1000 * s[0]:.1f} ms, {len(s[1])} on time" if (s := p._slack(now, timeline)) else ", no pace")
                     for p, at, loss in terms))
             if fits:
-                target = min(fits)[3]
+                at, _, _, target = min(fits)
+                # Beside a waiting deadline answer only if it could wait out this stream's whole
+                # expected life in its slot (it waits for one more slot to free, sooner) and still end on time.
+                life = at - now + expected_left(req) * target.pace_now(now)
+                if life > spare:
+                    if debug:
+                        log.debug("absorb %d: not beside a deadline answer with %.3f s to spare (its life %.3f s)", req.rid, spare, life)
+                    continue
                 target.claim(req, now)
                 out.append((req, target.rid))
+                spare -= life  # the next one absorbed waits behind this one too
         return out
 
     @staticmethod

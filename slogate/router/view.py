@@ -254,6 +254,11 @@ class ReplicaView:
         mine = max(req.remaining_bound, 1.0)
         return sum(value for left, room, nxt, value in streams if stall > nxt or stall + b * min(left, mine) > room)
 
+    def pace_now(self, now: float) -> float:
+        """Seconds a token here as things go now: the streams' median pace so far (`_slack`), else the model's."""
+        s = self._slack(now)
+        return s[0] if s is not None else self.token_time()
+
     def _slack(self, now: float, timeline: bool = True) -> tuple[float, list[tuple[float, float, float, float]]] | None:
         """For `absorb_loss`, once per decision (`now`) and set of streams: the median pace a stream
         here has had (its mean TPOT so far: its arrivals' prefill stalls are in it) and, for each
