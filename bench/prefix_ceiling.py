@@ -7,7 +7,7 @@ holding most of it (else alternating), round robin, and with caches that never e
 real run's engine hit rate is measured against (docs/benchmarks.md, sitting S24); in-flight
 overlap and the text's exact tokenization are ignored.
 
-    python bench/prefix_ceiling.py [--kv-blocks 128] [--replicas 2]
+    python bench/prefix_ceiling.py [--kv-blocks 128] [--replicas 2] [--turns N]
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=128)
     ap.add_argument("--block-tokens", type=int, default=128)
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=0, help="only the first N turns: what a run of rate × duration sends (0: all)")
     a = ap.parse_args()
     turns = conversations(a.sessions, a.tokens_per_id, a.max_in)
+    if a.turns:
+        turns = turns[: a.turns]
     per = max(a.block_tokens // a.tokens_per_id, 1)
     n = a.replicas
 
