@@ -195,6 +195,11 @@ class Request:
         return self.input_tokens + self.generated
 
     @property
+    def remaining_mean(self) -> float:
+        """Tokens it is expected to generate still: the predictor's point estimate, not its bound."""
+        return max(self.len_mean - self.generated, 1.0)
+
+    @property
     def remaining_bound(self) -> float:
         """Upper bound on tokens still to generate, capped by max_tokens."""
         b = max(self.len_bound, 1.0)

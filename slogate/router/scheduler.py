@@ -21,20 +21,22 @@ log = logging.getLogger("slogate.scheduler")
 ABSORB_LOOK = 32
 
 
-def deadline_spare(now: float, answers: Sequence[Request], pool: Sequence[ReplicaView]) -> float:
+def deadline_spare(now: float, answers: Sequence[Request], pool: Sequence[ReplicaView], timeline: bool = True) -> float:
     """How long the most pressed of `answers` (deadline answers waiting for a slot) could still
     wait and end by its deadline on its best replica of `pool`: its first token after the
-    prefill queued there and its own, then its expected length (`expected_left`) at the pace
-    that replica's streams get. Priced for the ABSORB_LOOK answers whose deadlines come first (a long queue
-    costs no more than that)."""
+    prefill queued there and its own, then its expected length (`Request.remaining_mean`: a
+    bound several times the answer judged every deadline answer late) at the pace that
+    replica's streams get. Priced for the ABSORB_LOOK answers whose deadlines come first (a long
+    queue costs no more than that)."""
+    paces = [p.pace_now(now, timeline) for p in pool]
     first = heapq.nsmallest(ABSORB_LOOK, answers, key=lambda r: r.deadline_at)
-    return min(max(r.deadline_at - p.first_token_at(now, r) - expected_left(r) * p.pace_now(now) for p in pool) for r in first)
+    return min(max(r.deadline_at - p.first_token_at(now, r) - r.remaining_mean * v for p, v in zip(pool, paces, strict=True))
+               for r in first)
 
 
-def expected_left(r: Request) -> float:
-    """Tokens `r` is expected to generate still: the predictor's point estimate, not its bound
-    (a bound several times the answer judged every deadline answer late and every stream endless)."""
-    return max(r.len_mean - r.generated, 1.0)
+def _waits_with_deadline(r: Request) -> bool:
+    """An answer with a deadline waiting for its first slot (`Scheduler.absorbed` stands down for it)."""
+    return r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND) and not r.generated
 
 
 @dataclass(slots=True)
@@ -179,23 +181,22 @@ class Scheduler:
         attainment past the knee fell from 94% to 77% without this rule). With "slack", only
         where that answer has the time to spare (`deadline_spare`)."""
         pool = [p for p in replicas if p.healthy and p.role != "decode" and p.decoding]
-        beside = self.absorb_beside_deadlines
         if not pool:
             return []
+        timeline = self.absorb_by == "timeline"
         spare = math.inf  # the least time any waiting deadline answer could still wait for a slot
-        if beside is not True:
-            answers = [r for r in waiting if r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND) and not r.generated]
-            if answers and beside != "slack":
-                return []
-            if answers:
-                spare = deadline_spare(now, answers, pool)
+        if self.absorb_beside_deadlines == "slack":
+            if answers := [r for r in waiting if _waits_with_deadline(r)]:
+                spare = deadline_spare(now, answers, pool, timeline)
+        elif self.absorb_beside_deadlines is not True and any(_waits_with_deadline(r) for r in waiting):
+            return []
         cost = fleet_stream_cost(replicas)
         # The first tokens due soonest only: a frame absorbs a few at most (each one spends the
         # streams' slack), and pricing every one of a long queue on every replica took 35 ms a
         # frame at 2,000 waiting (bench/absorb_cost.py).
         due = heapq.nsmallest(ABSORB_LOOK, (r for r in waiting if r.first_token_pending), key=lambda r: r.ttft_deadline)
         out: list[tuple[Request, int]] = []
-        timeline, debug = self.absorb_by == "timeline", log.isEnabledFor(logging.DEBUG)
+        debug = log.isEnabledFor(logging.DEBUG)
         for _, _, req in (x for x in self._by_spare(now, due, pool) if x[0] <= self.at_risk_s):
             fits, terms = [], []
             for p in pool:
@@ -216,16 +217,17 @@ class Scheduler:
                     for p, at, loss in terms))
             if fits:
                 at, _, _, target = min(fits)
-                # Beside a waiting deadline answer only if it could wait out this stream's whole
-                # expected life in its slot (it waits for one more slot to free, sooner) and still end on time.
-                life = at - now + expected_left(req) * target.pace_now(now)
-                if life > spare:
-                    if debug:
-                        log.debug("absorb %d: not beside a deadline answer with %.3f s to spare (its life %.3f s)", req.rid, spare, life)
-                    continue
+                if spare < math.inf:
+                    # Beside a waiting deadline answer only if it could wait out this stream's whole
+                    # expected life in its slot (it waits for one more slot to free, sooner) and still end on time.
+                    life = at - now + req.remaining_mean * target.pace_now(now, timeline)
+                    if life > spare:
+                        if debug:
+                            log.debug("absorb %d: not beside a deadline answer with %.3f s to spare (its life %.3f s)", req.rid, spare, life)
+                        continue
+                    spare -= life  # the next one absorbed waits behind this one too
                 target.claim(req, now)
                 out.append((req, target.rid))
-                spare -= life  # the next one absorbed waits behind this one too
         return out
 
     @staticmethod

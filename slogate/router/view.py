@@ -254,9 +254,10 @@ class ReplicaView:
         mine = max(req.remaining_bound, 1.0)
         return sum(value for left, room, nxt, value in streams if stall > nxt or stall + b * min(left, mine) > room)
 
-    def pace_now(self, now: float) -> float:
-        """Seconds a token here as things go now: the streams' median pace so far (`_slack`), else the model's."""
-        s = self._slack(now)
+    def pace_now(self, now: float, timeline: bool = True) -> float:
+        """Seconds a token here as things go now: the streams' median pace so far (`_slack`, whose
+        memo the caller's `timeline` rule shares), else the model's."""
+        s = self._slack(now, timeline)
         return s[0] if s is not None else self.token_time()
 
     def _slack(self, now: float, timeline: bool = True) -> tuple[float, list[tuple[float, float, float, float]]] | None:
@@ -277,7 +278,7 @@ class ReplicaView:
             for r in self.decoding.values():
                 if r.first_token_at is None:
                     continue
-                left = max(r.len_mean - r.generated, 1.0)
+                left = r.remaining_mean
                 end = now + left * pace  # its last token, as things go now
                 nxt = math.inf
                 if r.kind is SLOClass.LATENCY and r.slo.tbt_s:

@@ -18,4 +18,4 @@ class LTR(KeyOrdering):
     def key(self, req: Request, now: float) -> tuple[int, float]:
         if now - req.arrival > self.starvation_s:
             return (0, req.arrival)
-        return (1, max(req.len_mean - req.generated, 1.0))
+        return (1, req.remaining_mean)
