@@ -627,10 +627,14 @@ def report_guidellm(rows: list[dict], scale: float = 1.0) -> list[str]:
     for rate in sorted({r["rate"] for r in rows}):
         cells = []
         for s in systems:
-            rs = [r for r in rows if r["rate"] == rate and r["system"] == s]
+            # A run guidellm still flooded after its reruns measured guidellm, not the system: no median counts it.
+            rs = [r for r in rows if r["rate"] == rate and r["system"] == s and not r.get("flooded")]
             cells.append(f"{med(r['goodput_tokens'] for r in rs):.0f} tok/s / {100 * med(r['slo_attainment'] for r in rs):.0f}% / "
-                         f"{med(r['itl_p50_ms'] or 0 for r in rs):.1f}, {med(r['itl_p90_ms'] or 0 for r in rs):.1f} ms")
+                         f"{med(r['itl_p50_ms'] or 0 for r in rs):.1f}, {med(r['itl_p90_ms'] or 0 for r in rs):.1f} ms" if rs else "no valid run")
         out.append(f"| {rate:g} req/s | " + " | ".join(cells) + " |")
+    if flooded := sum(1 for r in rows if r.get("flooded")):
+        out += ["", f"{flooded} run(s) marked *flooded*: guidellm sent back to back in every try (its Poisson schedule started "
+                "at the epoch); left out of the medians."]
     batches = any("engine_batch_per_token" in r for r in rows)  # sampled since the placement diagnosis
     engines = any(r.get("engine_cpu") for r in rows)
     out += ["", "| repeat | rate | system | sent | successful / incomplete / errored | attainment | goodput | TTFT p50 / p90 ms | "
@@ -638,7 +642,7 @@ def report_guidellm(rows: list[dict], scale: float = 1.0) -> list[str]:
                 + (" engines' CPU: API servers / EngineCores |" if engines else ""),
             "|---:|---:|---|---:|---|---:|---:|---|---|---:|---:|" + ("---|" if batches else "") + ("---|" if engines else "")]
     for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
-        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['successful']} / {r['incomplete']} / {r['errored']} | "
+        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']}{' *flooded*' if r.get('flooded') else ''} | {r['sent']} | {r['successful']} / {r['incomplete']} / {r['errored']} | "
                    f"{100 * r['slo_attainment']:.0f}% | {r['goodput_tokens']:.0f} tok/s | {r['ttft_p50_ms']} / {r['ttft_p90_ms']} | "
                    f"{r['itl_p50_ms']} / {r['itl_p90_ms']} / {r['itl_p99_ms']} | {r['tpot_p50_ms']} | {100 * r['router_cpu_share']:.1f}% |"
                    + (f" {r.get('engine_batch_per_token')} / {r.get('engine_spread')} |" if batches else "")
@@ -693,7 +697,7 @@ def report(path: Path) -> str:
     for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
         b = r.get("budget_p10_p50_p90")
         wrong = f" ({r['refusals_wrong']})" if "refusals_wrong" in r else ""
-        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['refused']}{wrong} | "
+        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']}{' *flooded*' if r.get('flooded') else ''} | {r['sent']} | {r['refused']}{wrong} | "
                    f"{r.get('goodput_tpot', 0):.0f} tok/s, {100 * r.get('attainment_tpot', 0):.0f}% | "
                    f"{r.get('goodput_timeline', 0):.0f} tok/s, {100 * r.get('attainment_timeline', 0):.0f}% | {r['token_goodput']:.0f} | "
                    f"{r['ttft_p50']} / {r['ttft_p95']} | {r.get('tpot_p50')} / {r.get('tpot_p90')} | {r.get('gap_p95')} / {r.get('gap_p99')} | "

@@ -59,3 +59,22 @@ def test_the_benchmark_runs_on_simulated_engines_with_a_fitted_profile(tmp_path:
     assert row["sent"] > 0 and row["errors"] == 0 and row["completed"] > 0, row
     assert len(row["outcomes"]) == row["sent"]
     assert row["engine_batch_per_token"], row  # the simulated engines report vLLM's running count
+
+
+def test_the_guidellm_report_leaves_a_flooded_run_out_of_the_medians(tmp_path: Path) -> None:
+    """A run that guidellm flooded in every try (it sent back to back) measured guidellm, not the
+    system: the report marks it and its medians leave it out."""
+    def row(system: str, repeat: int, goodput: float, flooded: bool = False) -> dict:
+        return {"client": "guidellm", "system": system, "rate": 1.5, "repeat": repeat, "sent": 90, "successful": 85, "incomplete": 5,
+                "errored": 0, "slo_attainment": goodput / 400, "goodput_tokens": goodput, "ttft_p50_ms": 400.0, "ttft_p90_ms": 900.0,
+                "itl_p50_ms": 40.0, "itl_p90_ms": 60.0, "itl_p99_ms": 80.0, "tpot_p50_ms": 42.0, "router_cpu_share": 0.02, "flooded": flooded}
+    rows = [row("slogate", 0, 200.0), row("slogate", 1, 220.0), row("slogate", 2, 0.0, flooded=True),
+            row("vllm-router", 0, 180.0, flooded=True)]
+    out = tmp_path / "g.json"
+    out.write_text(json.dumps({"config": {}, "rows": rows}))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--report", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (medians,) = [line for line in r.stdout.splitlines() if line.startswith("| 1.5 req/s |")]
+    assert "| 210 tok/s / 52% /" in medians, medians  # the median of 200 and 220, not of 200, 220 and 0
+    assert medians.endswith("| no valid run |"), medians
+    assert sum("*flooded*" in line for line in r.stdout.splitlines() if line.startswith("| ")) == 2
