@@ -207,3 +207,27 @@ def test_a_replica_still_prefilling_its_first_requests_is_not_called_silent() ->
     assert during and all(v == 1.0 for v in during), during
     # Requests it took were served there after their 2.5 s prefills, not cut and moved.
     assert not moved and any(o.ended - o.started >= 2.4 for o in out), (moved, sorted(round(o.ended - o.started, 2) for o in out))
+
+
+def test_a_model_is_not_called_missing_while_its_replica_has_not_started() -> None:
+    """`slogate serve --backend URL` started beside a vLLM still loading its weights: until the
+    replica has said which models it serves, a request for one is a 503 with Retry-After (come
+    back), not a 404 (it does not exist); once it answers, the same request is served. A model no
+    replica serves is a 404 once every replica has told."""
+    import httpx
+
+    engine = EngineProcess(None, "--fixed-ttft-ms", "20", "--fixed-itl-ms", "5")  # not started yet
+    cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "budget": 4}], "health_interval_s": 0.2})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with ServerThread(create_app(cfg)) as gw:
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable", r.text
+        assert int(r.headers["retry-after"]) >= 1
+        with engine:
+            deadline = time.monotonic() + 15
+            while (r := httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10)).status_code == 503:
+                assert time.monotonic() < deadline, "the replica never joined"
+                time.sleep(0.1)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+            missing = httpx.post(f"{gw.url}/v1/chat/completions", json={**body, "model": "no-such-model"}, timeout=10)
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found", missing.text

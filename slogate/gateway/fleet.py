@@ -241,6 +241,10 @@ class Fleet:
     def models(self) -> list[str]:
         return sorted({m for b in self.backends for m in b.models})
 
+    def models_unknown(self) -> int:
+        """Backends whose models are not known yet: none configured, and no answer from `/v1/models` so far."""
+        return sum(1 for b in self.backends if not b.models)
+
     def cache_blocks(self, kv_tokens: int) -> int:
         """A KV cache of `kv_tokens` in prompt blocks: of `block_tokens` token ids with a
         tokenizer, else of characters (4 a token)."""

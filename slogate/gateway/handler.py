@@ -322,6 +322,12 @@ class Gateway:
         self.auth.check_model(key, model)
         adm = self.groups.get(model)
         if adm is None:
+            if unknown := self.fleet.models_unknown():
+                # A replica that has not yet said what it serves (a vLLM still loading its weights, started
+                # beside the gateway) may serve this model: a 404 would tell the client it never will.
+                raise APIError(503, f"The model `{model}` is not served by any replica reachable now; {unknown} of "
+                               f"{len(self.fleet.backends)} backend(s) have not said which models they serve yet",
+                               code="backend_unavailable", retry_after=max(self.cfg.health_interval_s, 1.0))
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         now = time.monotonic()
         res = resolve(body, request.headers, self.cfg, self.workflows, now, key)
