@@ -72,6 +72,8 @@ def test_backend_flags_keep_the_files_settings_for_a_url_and_take_kv_events(tmp_
                                   "prefix": {"tokenizer": str(tmp_path)}})
     out = apply_flags(cfg, backends=["http://a:1/", "http://b:1"])
     assert [(b.url, b.budget, b.kv_events) for b in out.backends] == [("http://a:1", 7, "tcp://a:5557"), ("http://b:1", 48, None)]
+    out = apply_flags(cfg, backends=["http://a:1/v1", "https://b/openai/v1/", "http://v1", "dns+http://vllm:8000/v1"])
+    assert [(b.url, b.budget) for b in out.backends] == [("http://a:1", 7), ("https://b/openai", 48), ("http://v1", 48), ("dns+http://vllm:8000", 48)]
     out = apply_flags(cfg, backends=["http://a:1", "http://b:1"], kv_events=["tcp://{host}:5557"], tokenizer="/models/x")
     assert [b.kv_events for b in out.backends] == ["tcp://{host}:5557"] * 2 and str(out.prefix.tokenizer) == "/models/x"
     with pytest.raises(ValueError, match="one per backend"):
@@ -124,7 +126,8 @@ def test_a_budget_flag_takes_effect_in_a_running_gateway() -> None:
     # A real `slogate serve` process: --budget 2 --no-learn-budget holds the replica at 2.
     with ServerThread(create_engine_app("sim-model")) as eng:
         port = free_port()
-        p = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--backend", eng.url, "--port", str(port),
+        # The URL as an OpenAI SDK's base_url has it (…/v1/): the gateway keeps the server's root.
+        p = subprocess.Popen([sys.executable, "-c", "from slogate.cli import app; app()", "serve", "--backend", f"{eng.url}/v1/", "--port", str(port),
                               "--budget", "2", "--no-learn-budget", "--log-level", "warning"], start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"

@@ -105,7 +105,7 @@ def test_a_failed_lookup_keeps_the_replicas_found_last() -> None:
     assert shrunk == ["http://10.0.0.2:80", "http://static:1"]
 
 
-@pytest.mark.parametrize("url", ["dns+http://svc", "dns+ftp://svc:80", "dns+http://svc:80/v1", "dnssrv+http://"])
+@pytest.mark.parametrize("url", ["dns+http://svc", "dns+ftp://svc:80", "dns+http://svc:80/api", "dnssrv+http://"])
 def test_bad_discovered_urls_are_refused_at_load(url: str) -> None:
     with pytest.raises(ValueError):
         BackendConfig(url=url)

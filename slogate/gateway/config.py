@@ -40,8 +40,16 @@ class _Strict(BaseModel):
 DNS_SCHEMES = ("dns+", "dnssrv+")  # Prometheus / Thanos style: resolve the host, one replica per address
 
 
+def same_url(url: str) -> str:
+    """A backend URL as the gateway keeps it: no trailing slash, and no trailing /v1 (an OpenAI SDK's
+    base_url pasted as it is; not a host named v1): the gateway calls /v1/..., /metrics and /tokenize below it."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1") if url.endswith("/v1") and not url.endswith("://v1") else url
+
+
 class BackendConfig(_Strict):
-    url: str = Field(description="Base URL of the OpenAI-compatible server (http:// or https://, without /v1). "
+    url: str = Field(description="Base URL of the OpenAI-compatible server (http:// or https://); a trailing /v1, as in an "
+                     "OpenAI SDK's base_url, is dropped (the gateway calls /v1/..., /metrics and /tokenize below it). "
                      "`dns+http://HOST:PORT`: every address HOST resolves to is a replica on PORT (a headless Kubernetes "
                      "Service, a compose service name), re-resolved every `discovery.interval_s`; "
                      "`dnssrv+http://_PORTNAME._tcp.HOST`: every SRV record's target and port.")
@@ -77,6 +85,7 @@ class BackendConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
+        v = same_url(v)
         bare = v.removeprefix("dnssrv+").removeprefix("dns+")
         if not bare.startswith(("http://", "https://")):
             raise ValueError(f"backend url must start with http://, https://, dns+http(s):// or dnssrv+http(s)://, got {v!r}")
@@ -86,7 +95,7 @@ class BackendConfig(_Strict):
             u = urlsplit(bare)
             if not u.hostname or (v.startswith("dns+") and u.port is None) or u.path.strip("/"):
                 raise ValueError(f"{v!r}: a discovered backend is dns+SCHEME://HOST:PORT or dnssrv+SCHEME://SRVNAME, without a path")
-        return v.rstrip("/")
+        return v
 
     @property
     def discovered(self) -> bool:
@@ -433,7 +442,7 @@ def apply_flags(cfg: GatewayConfig, *, backends: list[str] | None = None, orderi
     raw = cfg.model_dump()
     if backends:  # the file's settings for a URL named again stay (its budget, key, events)
         known = {b["url"]: b for b in raw["backends"]}
-        raw["backends"] = [known.get(u.rstrip("/"), {"url": u}) for u in backends]
+        raw["backends"] = [known.get(same_url(u), {"url": u}) for u in backends]
     if kv_events:
         if len(kv_events) not in (1, len(raw["backends"])):
             raise ValueError(f"--kv-events: give one per backend ({len(raw['backends'])}) or one for all, got {len(kv_events)}")
