@@ -267,7 +267,8 @@ class Fleet:
         assert self.client is not None
         try:
             async with self.client.get(f"{b.cfg.url}/v1/models", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT_S), headers=b.headers) as r:
-                ok, why = r.status == 200, f"status {r.status}"
+                ok, why = r.status == 200, f"status {r.status} on GET {b.cfg.url}/v1/models" + (
+                    ": is that the root of an OpenAI-compatible server?" if r.status == 404 else "")
                 if ok and (((discover or not b.models) and not b.cfg.models) or b.max_len is None):
                     data = [m for m in (await r.json(content_type=None)).get("data", []) if isinstance(m, dict)]
                     if not b.cfg.models:
