@@ -66,6 +66,9 @@ def test_every_auth_status_in_the_openai_shape() -> None:
         assert e3.value.body["code"] == "rate_limit_exceeded" and int(e3.value.response.headers["retry-after"]) >= 1
         gold = openai.OpenAI(base_url=url, api_key=GOLD, max_retries=0)
         assert gold.chat.completions.create(model=MODEL, messages=msg, max_tokens=2, extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+        with pytest.raises(openai.NotFoundError) as e4:  # a typo: told what it may ask for instead
+            gold.chat.completions.create(model="sim-modle", messages=msg, max_tokens=2)
+        assert "Served here: `other-model`, `sim-model`." in e4.value.body["message"], e4.value.body
         # admin endpoint: key required, and the right one
         assert httpx.get(f"{gw.url}/admin/state").status_code == 401
         assert httpx.get(f"{gw.url}/admin/state", headers={"authorization": f"Bearer {GOLD}"}).status_code == 401

@@ -75,6 +75,7 @@ def test_errors_have_the_openai_shape(fleet) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert e.value.body["code"] == "model_not_found"
+    assert f"Served here: `{MODEL}`." in e.value.body["message"], e.value.body  # what it could have asked for
     with pytest.raises(openai.BadRequestError) as e2:
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"slo": {"tbt_ms": "fast"}})
     assert e2.value.body["param"] == "slo.tbt_ms"

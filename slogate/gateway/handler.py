@@ -328,7 +328,11 @@ class Gateway:
                 raise APIError(503, f"The model `{model}` is not served by any replica reachable now; {unknown} of "
                                f"{len(self.fleet.backends)} backend(s) have not said which models they serve yet",
                                code="backend_unavailable", retry_after=max(self.cfg.health_interval_s, 1.0))
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            # What it could have asked for (as far as its key may see): a typo or a served-model-name is the usual cause.
+            served = [m for m in self.fleet.models() if key is None or not key.models or m in key.models]
+            raise APIError(404, f"The model `{model}` does not exist. Served here: "
+                           + (", ".join(f"`{m}`" for m in served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "") if served else "none")
+                           + ".", param="model", code="model_not_found")
         now = time.monotonic()
         res = resolve(body, request.headers, self.cfg, self.workflows, now, key)
         # Embeddings and the like: no answer to predict, one unit of output; the body's size
