@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from slogate.gateway.admission import Admission, AdmissionHooks, Ticket
 from slogate.gateway.auth import Authenticator
-from slogate.gateway.config import RESTART_ONLY, GatewayConfig
+from slogate.gateway.config import RESTART_ONLY, GatewayConfig, KeyConfig
 from slogate.gateway.discovery import Discovery
 from slogate.gateway.errors import APIError, as_openai_error, error_body
 from slogate.gateway.exchange import AnswerText, Disconnect, Exchange
@@ -307,6 +307,19 @@ class Gateway:
         """This gateway's requests that hold a replica slot now."""
         return [t for adm in [*self.groups.values(), *self._retired] for t in adm.running.values() if t.replica is not None]
 
+    def _unknown_model(self, model: str, key: KeyConfig | None) -> APIError:
+        """The answer to a request for a model no replica serves now."""
+        if unknown := self.fleet.models_unknown():
+            # A replica that has not yet said what it serves (a vLLM still loading its weights, started
+            # beside the gateway) may serve this model: a 404 would tell the client it never will.
+            return APIError(503, f"The model `{model}` is not served by any replica reachable now; {unknown} of "
+                            f"{len(self.fleet.backends)} backend(s) have not said which models they serve yet",
+                            code="backend_unavailable", retry_after=max(self.cfg.health_interval_s, 1.0))
+        # What it could have asked for (as far as its key may see): a typo or a served-model-name is the usual cause.
+        served = [f"`{m}`" for m in self.fleet.models() if key is None or not key.models or m in key.models]
+        listed = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "") if served else "none"
+        return APIError(404, f"The model `{model}` does not exist. Served here: {listed}.", param="model", code="model_not_found")
+
     # ------------------------------------------------------------------ the request path
     async def handle(self, kind: str, request: Request) -> Response:
         t_recv = time.perf_counter()
@@ -322,17 +335,7 @@ class Gateway:
         self.auth.check_model(key, model)
         adm = self.groups.get(model)
         if adm is None:
-            if unknown := self.fleet.models_unknown():
-                # A replica that has not yet said what it serves (a vLLM still loading its weights, started
-                # beside the gateway) may serve this model: a 404 would tell the client it never will.
-                raise APIError(503, f"The model `{model}` is not served by any replica reachable now; {unknown} of "
-                               f"{len(self.fleet.backends)} backend(s) have not said which models they serve yet",
-                               code="backend_unavailable", retry_after=max(self.cfg.health_interval_s, 1.0))
-            # What it could have asked for (as far as its key may see): a typo or a served-model-name is the usual cause.
-            served = [m for m in self.fleet.models() if key is None or not key.models or m in key.models]
-            raise APIError(404, f"The model `{model}` does not exist. Served here: "
-                           + (", ".join(f"`{m}`" for m in served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "") if served else "none")
-                           + ".", param="model", code="model_not_found")
+            raise self._unknown_model(model, key)
         now = time.monotonic()
         res = resolve(body, request.headers, self.cfg, self.workflows, now, key)
         # Embeddings and the like: no answer to predict, one unit of output; the body's size
