@@ -697,7 +697,7 @@ def report(path: Path) -> str:
     for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
         b = r.get("budget_p10_p50_p90")
         wrong = f" ({r['refusals_wrong']})" if "refusals_wrong" in r else ""
-        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']}{' *flooded*' if r.get('flooded') else ''} | {r['sent']} | {r['refused']}{wrong} | "
+        out.append(f"| {r['repeat']} | {r['rate']:g} | {r['system']} | {r['sent']} | {r['refused']}{wrong} | "
                    f"{r.get('goodput_tpot', 0):.0f} tok/s, {100 * r.get('attainment_tpot', 0):.0f}% | "
                    f"{r.get('goodput_timeline', 0):.0f} tok/s, {100 * r.get('attainment_timeline', 0):.0f}% | {r['token_goodput']:.0f} | "
                    f"{r['ttft_p50']} / {r['ttft_p95']} | {r.get('tpot_p50')} / {r.get('tpot_p90')} | {r.get('gap_p95')} / {r.get('gap_p99')} | "

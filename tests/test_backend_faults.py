@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
+import httpx
 from faults import EngineProcess, Load, Watch
 from servers import ServerThread
 
@@ -214,7 +215,6 @@ def test_a_model_is_not_called_missing_while_its_replica_has_not_started() -> No
     replica has said which models it serves, a request for one is a 503 with Retry-After (come
     back), not a 404 (it does not exist); once it answers, the same request is served. A model no
     replica serves is a 404 once every replica has told."""
-    import httpx
 
     engine = EngineProcess(None, "--fixed-ttft-ms", "20", "--fixed-itl-ms", "5")  # not started yet
     cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "budget": 4}], "health_interval_s": 0.2})
