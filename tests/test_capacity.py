@@ -523,3 +523,66 @@ def test_a_second_of_prefills_in_a_burst_is_no_cut() -> None:
     for g in [0.060] * 12:
         lr.observe(8, g)
     assert lr.update(0.0, 0.050, 8) < 8
+
+
+def test_a_loads_first_burst_does_not_price_prefills_for_the_replica_kept_full() -> None:
+    """G31 on real vLLM (guidellm at the knee): the line appeared on the load's first burst, a
+    second in which a replica went to 7 streams and prefilled most of them (125 gaps, median 23 ms,
+    mean 65 ms). Priced on that second alone, prefills cost 4.7 ms a stream held and the budget
+    went to the floor while the replica kept 7; a few seconds later the same replica's prefills
+    cost ~1.5 ms. With `stall_prior_s` the first second is weighed against that many seconds of
+    no excess: the budget stays, and once steady-state evidence has come, both price alike."""
+    line = [0.0113 + 0.003 * n for n in range(8)]
+
+    def learner(prior: float) -> CapacityLearner:
+        lr = CapacityLearner(cap=64, stall_prior_s=prior)
+        for n in (2, 3, 4, 5):  # the ramp: a span too short for a line
+            for _ in range(10):
+                lr.observe(n, line[n])
+        lr.update(0.0, 0.050, 5)
+        for _ in range(100):  # the burst: most steps clean, a quarter shared with the new streams' prefills
+            lr.observe(7, line[7])
+        for _ in range(25):
+            lr.observe(7, 0.196, decode_only=False)
+        lr.update(1.0, 0.050, 7)
+        return lr
+
+    bare, prior = learner(0.0), learner(10.0)
+    assert bare.fit is not None and abs(bare.stall - 0.0047) < 0.0003, bare.stall
+    assert bare.budget == 4  # the floor, holding 7
+    assert prior.stall < 0.001 and prior.budget >= 7, (prior.stall, prior.budget)
+    for lr in (bare, prior):  # steady state: 15 gaps in 125 carry a prefill, 1.5 ms a stream in all
+        for t in range(2, 60):
+            for _ in range(110):
+                lr.observe(7, line[7])
+            for _ in range(15):
+                lr.observe(7, 0.1198, decode_only=False)
+            lr.update(float(t), 0.050, 7)
+    assert abs(bare.stall - 0.0015) < 0.0002 and abs(prior.stall - bare.stall) < 0.0002, (bare.stall, prior.stall)
+    assert prior.budget == bare.budget
+
+
+def test_the_decode_line_is_fitted_on_the_steps_no_prefill_shared() -> None:
+    """A load's first burst: at each n newly reached most steps carry a new stream's prefill (on
+    one core, half as long again as the decode step, or more). Their median is the prefills', and the line fitted
+    through it is far too steep; fitted on the steps no prefill shared, it is the decode step
+    (11.3 ms + 3.0 ms a stream here)."""
+    def learner(**kw) -> CapacityLearner:
+        lr = CapacityLearner(cap=64, **kw)
+        for n in range(2, 10):
+            share = 0.2 if n < 6 else 0.7  # past 5 streams, the burst: most steps prefill someone
+            for i in range(40):
+                shared = i < share * 40
+                lr.observe(n, (0.0113 + 0.003 * n) * (1.5 if shared else 1.0), decode_only=not shared)
+        lr.update(0.0, 0.050, 9)
+        return lr
+
+    steep, decode = learner(line_from_decode=False, stall_prior_s=0.0), learner(line_from_decode=True, stall_prior_s=0.0)
+    assert steep.fit is not None and steep.fit[1] > 0.006, steep.fit
+    assert decode.fit is not None and abs(decode.fit[1] - 0.003) < 1e-4 and abs(decode.fit[0] - 0.0113) < 1e-4, decode.fit
+    # Alone, the decode line moves the burst's cost into the prefill price, measured above it on
+    # this one second: the budget hardly moves (7 against 6). With the price's prior as well, the
+    # second is weighed as one second, and the budget is the decode step's.
+    assert decode.budget - steep.budget <= 1
+    both = learner(line_from_decode=True, stall_prior_s=10.0)
+    assert both._n_at(0.0425) > steep._n_at(0.0425) + 3 and both.budget >= 9, (both._n_at(0.0425), both.budget)

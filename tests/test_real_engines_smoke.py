@@ -61,6 +61,25 @@ def test_the_benchmark_runs_on_simulated_engines_with_a_fitted_profile(tmp_path:
     assert row["engine_batch_per_token"], row  # the simulated engines report vLLM's running count
 
 
+def test_the_ceiling_bench_keeps_k_streams_on_each_replica(tmp_path: Path) -> None:
+    """bench/slo_ceiling.py: a closed loop holds exactly k streams on every replica (judged at the
+    window's middle from the client's own clocks), and what it reports adds up."""
+    if not (ROOT.parent / "shared" / "data" / "trace_azure2023_conv.csv").exists():
+        pytest.skip("../shared/data is not there")
+    out = tmp_path / "ceiling.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "slo_ceiling.py"), "--sim-engines",
+                        str(ROOT / "bench" / "results" / "vllm_cpu_profile_s24.json"), "--replicas", "2", "--concurrency", "1,3",
+                        "--warm", "1", "--duration", "4", "--max-output", "40", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["k"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["inflight_mid"] == 2 * row["k"], row
+        assert row["requests"] > 0 and row["errors"] == 0, row
+        assert row["goodput_timeline"] <= row["throughput"] + 0.1 and row["goodput_tpot"] <= row["throughput"] + 0.1, row
+    assert "ceiling by the tpot rule:" in r.stdout
+
+
 def test_the_guidellm_report_leaves_a_flooded_run_out_of_the_medians(tmp_path: Path) -> None:
     """A run that guidellm flooded in every try (it sent back to back) measured guidellm, not the
     system: the report marks it and its medians leave it out."""

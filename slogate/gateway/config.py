@@ -229,6 +229,13 @@ class CapacityConfig(_Strict):
                                     "allows and no request was refused: a stream more in a burst then costs the decode step alone, so "
                                     "bursts are not held at a budget set for a replica kept full. Off by default: not yet shown to win "
                                     "at and past the knee (docs/benchmarks.md, sitting G20d).")
+    stall_prior_s: float = Field(LearnerKnobs.stall_prior_s, ge=0, le=600, description="Seconds of evidence that prefills cost "
+                                 "nothing which each replica's prefill price starts with (fading as the real evidence does): a "
+                                 "load's first burst prefills every stream a replica holds within a few seconds, which priced alone "
+                                 "puts the budget at its floor while the replica keeps its pace (0: no prior; 10 since docs/benchmarks.md G31b).")
+    line_from_decode: bool = Field(LearnerKnobs.line_from_decode, description="Fit each replica's decode line on the inter-token "
+                                   "gaps no prefill shared (where a batch size has 5 of them), not on all gaps: in a load's first "
+                                   "burst most steps carry a new stream's prefill, and a line fitted on them is too steep (docs/benchmarks.md, G31b).")
     absorb: bool = Field(LearnerKnobs.absorb, description="A latency request that would lose its first token waiting for a slot, "
                          "with no slot lent anywhere, goes beyond the budget to a replica where every stream running on time "
                          "stays on time with its prefill and its share of the batch added (mean TPOT and the per-token "

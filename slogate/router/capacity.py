@@ -8,13 +8,16 @@ fitted to this replica instead of a profile):
 
 - the decode step, ITL(n) = a + b·n: fitted by weighted least squares through the *median* gap
   seen at each n (recent gaps per n, exponential forgetting: the engine, its model and its
-  neighbours change). The median, because
+  neighbours change), of the gaps no prefill shared where a bin has enough (`line_from_decode`).
+  The median, because
 - the prefills of the requests that replace finished ones stall every stream in their step, on
   a CPU engine for several times the target. They are rare (most steps are clean, so they leave
   the median alone) but they count: the SLOs are cumulative (token i is due by TTFT + i·TBT),
   so the *mean* pace is what must hold. Each stream brings one prefill per answer, so their
   cost per token grows with n too: s·n, s estimated from how far the gaps' mean lies above the
-  decode line, per stream held, over ~20 s (a ratio of sums: one long prompt is a moment).
+  decode line, per stream held, over ~20 s (a ratio of sums: one long prompt is a moment), with
+  a prior of 10 s of no excess (`stall_prior_s`: a load's first burst prefills every stream a
+  replica holds at once, not one per stream life).
 
 The budget is the largest n with a + (b + s)·n ≤ margin · target. A fresh replica starts low
 (8) and doubles while it is full and measured fast, up to its first cut or a second slowed by
@@ -79,6 +82,8 @@ PROBE_UPDATES = 5
 ANCHOR_S = 600.0
 AIM_LOW, AIM_HIGH = 0.9, 0.97
 MARGIN_MOST = 0.95
+# `line_from_decode`: the gaps no prefill shared that a bin needs before the line takes their median.
+DECODE_GAPS = 5
 # `price_by_arrivals`: a demand below this share of the line's n leaves a replica mostly not full.
 DEMAND_BELOW = 0.75
 # ... and fewer refusals than this a replica per update over ~10 s: none turned away for want of room.
@@ -177,6 +182,27 @@ class CapacityLearner:
     _since_cut: int = 0  # updates since the last multiplicative decrease
     _excess: float = 0.0  # decayed sums behind `stall`: gap time above the decode line, and streams × gaps
     _held: float = 0.0
+    # The prefill price starts with this many seconds of evidence that prefills cost nothing (the
+    # held mass of the first second it is measured on, times this, with no excess), fading as the
+    # real evidence does. The first second with a line is usually a load's first burst: the
+    # replica going from empty to full prefills every stream it holds within a few seconds, where
+    # a full one prefills one per stream *life*, so a ratio of sums over that second alone prices
+    # prefills several times what they cost in steady state (7.2 ms a stream against ~1.5 a few
+    # seconds later on real vLLM, guidellm at the knee): the line then put the budget at the floor
+    # while the replica held 7, and first tokens waited ~20 s for the estimate to fade
+    # (docs/benchmarks.md, G31). 0: no prior (the estimate is the first second's). On by default
+    # since G31b (real vLLM, paired with `line_from_decode`: ahead by the tools' rule in 5 of 6
+    # pairs with our client at and past the knee, tied by medians on the timeline rule, wrong
+    # refusals 23 → 7).
+    stall_prior_s: float = 10.0
+    # Fit the decode line on the gaps no prefill shared (`observe`'s decode_only), where a bin
+    # holds DECODE_GAPS of them. The median of all gaps leaves the prefills out only while they
+    # are rare; in a load's first burst most steps at the n just reached carry a new stream's
+    # prefill, and a line fitted then (9.9 ms + 4.1 ms a stream on real vLLM, where the engines'
+    # mean pace with prefills included grew ~3.4 ms a stream: C31) put the budget at 4–5 while
+    # the replica kept 9–10 at its pace (docs/benchmarks.md, G31). The prefills are priced by the
+    # stall term, measured above this line. On by default with `stall_prior_s` (G31b).
+    line_from_decode: bool = True
     _growing: bool = False  # slow start (set in __post_init__)
     # Slow start also doubles between updates, every `grow_every_s`, on the gaps measured since the
     # last doubling: at one doubling a second a fresh gateway took 3 s to reach the 50 streams a
@@ -228,8 +254,13 @@ class CapacityLearner:
         """n -> (median gap in ms, weight): what the line is fitted on (the gateway's debug log)."""
         return {n: (round(1000 * median(b.gaps), 1), round(b.weight, 1)) for n, b in sorted(self.bins.items())}
 
+    def _step(self, b: _Bin) -> float:
+        """The decode step's cost at a bin's n, as the line is fitted on: the median gap, of the
+        gaps no prefill shared where `line_from_decode` and the bin holds enough of them."""
+        return median(b.decode) if self.line_from_decode and len(b.decode) >= DECODE_GAPS else median(b.gaps)
+
     def _line(self) -> tuple[float, float] | None:
-        pts = [(n, median(b.gaps), b.weight) for n, b in self.bins.items() if b.weight >= self.min_weight]
+        pts = [(n, self._step(b), b.weight) for n, b in self.bins.items() if b.weight >= self.min_weight]
         if len(pts) < 4 or max(p[0] for p in pts) - min(p[0] for p in pts) < 4:  # a short span extrapolates badly
             return None
         sw = sum(w for _, _, w in pts)
@@ -255,7 +286,7 @@ class CapacityLearner:
         what it was fitted on has faded). Such a line pins the budget where it is, so the n
         that would refit it are never seen."""
         a, b = fit
-        ratios = [median(x.gaps) / max(a + b * n, 1e-6) for n, x in self.bins.items() if x.weight >= self.min_weight]
+        ratios = [self._step(x) / max(a + b * n, 1e-6) for n, x in self.bins.items() if x.weight >= self.min_weight]
         return not ratios or max(ratios) < 1 / 1.6 or min(ratios) > 1.6
 
     @staticmethod
@@ -313,8 +344,11 @@ class CapacityLearner:
                 # A ratio of sums over ~20 s, not an average of per-second ratios: one long
                 # prompt's stall is a moment in that time, not a new cost per stream.
                 k = 1 - self.horizon
+                held = sum(recent_n)
+                if self._held == 0.0:
+                    self._held = self.stall_prior_s * held
                 self._excess = k * self._excess + sum(recent) - sum(a + b * n for n in recent_n)
-                self._held = k * self._held + sum(recent_n)
+                self._held = k * self._held + held
                 self.stall = max(0.0, self._excess / self._held)
         limit = self._limit(goal, target_s)  # where slow start stops: the cap, or the line's n
         if self.fit is not None:
@@ -627,6 +661,8 @@ class LearnerKnobs:
     lend_in_bursts: bool = CapacityLearner.lend_in_bursts
     margin_from_streams: bool = CapacityLearner.margin_from_streams
     price_by_arrivals: bool = CapacityLearner.price_by_arrivals
+    stall_prior_s: float = CapacityLearner.stall_prior_s
+    line_from_decode: bool = CapacityLearner.line_from_decode
     # The scheduler's last resort before a refusal (Scheduler.absorb, ReplicaView.absorbs). On by
     # default since sittings BB, BA and BC (docs/benchmarks.md, issue 16).
     absorb: bool = True
@@ -643,7 +679,8 @@ class LearnerKnobs:
         return CapacityLearner(cap, start=start, slow_start=self.slow_start and slow_start, initial=self.slow_start_budget,
                                margin=self.margin, on_stalls=self.on_stalls, stalls_below=self.stalls_below, overdraft_on=self.overdraft,
                                lend_to=self.lend_to, lend_now_below=self.lend_now_below, lend_in_bursts=self.lend_in_bursts,
-                               margin_from_streams=self.margin_from_streams, price_by_arrivals=self.price_by_arrivals)
+                               margin_from_streams=self.margin_from_streams, price_by_arrivals=self.price_by_arrivals,
+                               stall_prior_s=self.stall_prior_s, line_from_decode=self.line_from_decode)
 
 
 def stream_pace(req: Request) -> float | None:
