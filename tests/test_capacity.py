@@ -467,6 +467,9 @@ def test_the_bins_summary_shows_what_the_line_is_fitted_on() -> None:
         for g in gaps:
             lr.observe(n, g)
     assert lr.bins_summary() == {2: (21.5, 4.0), 5: (30.0, 3.0)}
+    for g in [0.040] * 5 + [0.2] * 6:  # most of n = 7's steps shared a prefill: the line (and the log) takes the others
+        lr.observe(7, g, decode_only=g < 0.1)
+    assert lr.bins_summary()[7] == (40.0, 11.0)
 
 
 def test_prefills_priced_by_the_arrivals_where_the_demand_leaves_the_replica_not_full() -> None:

@@ -252,7 +252,7 @@ class CapacityLearner:
 
     def bins_summary(self) -> dict[int, tuple[float, float]]:
         """n -> (median gap in ms, weight): what the line is fitted on (the gateway's debug log)."""
-        return {n: (round(1000 * median(b.gaps), 1), round(b.weight, 1)) for n, b in sorted(self.bins.items())}
+        return {n: (round(1000 * self._step(b), 1), round(b.weight, 1)) for n, b in sorted(self.bins.items())}
 
     def _step(self, b: _Bin) -> float:
         """The decode step's cost at a bin's n, as the line is fitted on: the median gap, of the
