@@ -47,6 +47,7 @@ def test_reconcile_joins_drains_revives_and_reaps() -> None:
     assert f.reconcile([a.cfg, BackendConfig(url="http://c:1", models=["m"])]) is True
     c = f.named("http://c:1")
     assert c is not None and not c.view.healthy  # no traffic before a health check
+    assert f.named("http://c:1/v1/") is c and f.named(c.name) is c and f.named("http://d:1") is None  # as an SDK's base_url
     assert b.state == "draining" and f.active() == [a, c]
     # b comes back before it finished leaving (a flapping pod): the same replica, active again
     assert f.reconcile([a.cfg, b.cfg, c.cfg]) is True

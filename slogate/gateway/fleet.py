@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from slogate.gateway.config import BackendConfig, GatewayConfig
+from slogate.gateway.config import BackendConfig, GatewayConfig, same_url
 from slogate.gateway.metrics import Metrics
 from slogate.router.capacity import CapacityLearner, learned_budget
 from slogate.router.latency import PROFILES, BatchLatencyModel
@@ -145,7 +145,9 @@ class Fleet:
         return b
 
     def named(self, name: str) -> Backend | None:
-        return next((b for b in self.backends if b.name == name or b.cfg.url == name), None)
+        """The replica an operator names: by its label, or by its URL as any config spells it (a trailing / or /v1)."""
+        url = same_url(name)
+        return next((b for b in self.backends if b.name == name or b.cfg.url == url), None)
 
     def active(self) -> list[Backend]:
         """The replicas placement may choose (health aside): not draining, not drained."""
