@@ -64,8 +64,7 @@ def main() -> None:
         mine = [r for r in rows if r["system"] == system]
         print(f"{system:32s} engine API server {statistics.median(r['api_ms_per_s'] for r in mine):6.2f} ms CPU/s, "
               f"EngineCore {statistics.median(r['core_ms_per_s'] for r in mine):6.2f} ms CPU/s (medians of {len(mine)})")
-    if a.out:
-        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+    R.save(a.out, a, rows)
 
 
 if __name__ == "__main__":

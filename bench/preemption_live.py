@@ -35,7 +35,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_engines import engine_counters
+from real_engines import engine_counters, save
 
 from slogate.testing.fleet import MODEL
 from slogate.testing.loadgen import StreamResult, stream_once
@@ -228,8 +228,7 @@ def main() -> None:
         rows = [r for scale in [float(x) for x in a.scales.split(",")] for rep in range(a.repeats) for r in simulate(scale, rep, a)]
         for r in rows:
             print(json.dumps(r), flush=True)
-        if a.out:
-            a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+        save(a.out, a, rows)
         table(rows, a)
         return
     tmp = Path(tempfile.mkdtemp())
@@ -291,8 +290,7 @@ def main() -> None:
                            "engine_hit_rate": round((hits1 - hits0) / (queries1 - queries0), 3) if queries1 > queries0 else None}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    if a.out:
-                        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+                    save(a.out, a, rows)
     finally:
         stop(procs)
     table(rows, a)

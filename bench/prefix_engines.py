@@ -53,6 +53,7 @@ from real_engines import (
     replay,
     routed,
     samples,
+    save,
     start_vllm,
     vllm_bench_one,
 )
@@ -317,8 +318,7 @@ def main() -> None:
                         row = run_one(system, urls, reqs, a.duration, tmp, a.direct) | {"rate": rate, "repeat": rep, "direct": a.direct}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    if a.out:
-                        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+                    save(a.out, a, rows)
                     time.sleep(2)
     finally:
         stop(procs)

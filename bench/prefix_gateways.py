@@ -41,7 +41,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_engines import arrivals, conversations, engine_counters, workload_args
-from real_engines import build_model, met, one, pct, reset_caches, samples, start_vllm
+from real_engines import build_model, met, one, pct, reset_caches, samples, save, start_vllm
 
 from slogate.testing.ports import free_port
 from slogate.testing.procs import slogate, start_redis, stop, wait_http
@@ -204,8 +204,7 @@ def main() -> None:
                     row = run_one(system, a, reqs, redis_url, vllm_urls, tmp) | {"rate": rate, "repeat": rep, "gateways": a.gateways}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    if a.out:
-                        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+                    save(a.out, a, rows)
                     time.sleep(1)
     finally:
         stop(procs)

@@ -306,6 +306,13 @@ async def replay(url: str, reqs: list[dict]) -> list[dict]:
     return out
 
 
+def save(out: Path | None, args: argparse.Namespace, rows: list[dict], **extra: object) -> None:
+    """A sitting's rows with the arguments that made them, rewritten as each row comes (a crash
+    later keeps what was measured); `extra`: more top-level keys (the summary)."""
+    if out:
+        out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows, **extra}, indent=2))
+
+
 def pct(xs: list[float], q: float) -> float | None:
     return round(sorted(xs)[int(q * (len(xs) - 1))], 4) if xs else None
 
@@ -799,14 +806,12 @@ def main() -> None:
                     row["repeat"] = rep
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k not in ("outcomes", "engine_running", "state_per_second", "budget_per_second")}), flush=True)
-                    if a.out:  # kept as they come: a crash later keeps what was measured
-                        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+                    save(a.out, a, rows)
                     time.sleep(2)  # let the engines drain
     finally:
         stop(procs)
     if a.client != "ours":
-        if a.out:
-            a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+        save(a.out, a, rows)
         print("\n".join(report_guidellm(rows, a.slo_scale)))
         return
     classify_refusals(rows)
@@ -819,8 +824,7 @@ def main() -> None:
                                                  for k in ("goodput_tpot", "goodput_timeline", "attainment_tpot", "attainment_timeline",
                                                            "refused", "router_cpu_share")}
     print(json.dumps(summary, indent=2))
-    if a.out:
-        a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows, "summary": summary}, indent=2))
+    save(a.out, a, rows, summary=summary)
 
 
 if __name__ == "__main__":

@@ -104,8 +104,7 @@ def main() -> None:
             row = asyncio.run(closed_loop(urls, per, a.warm, a.duration, rb.arrivals(1.0, 4000, i)))
             rows.append(row)
             print(json.dumps(row), flush=True)
-            if a.out:
-                a.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
+            rb.save(a.out, a, rows)
             time.sleep(2)
     finally:
         stop(procs)
