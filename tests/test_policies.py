@@ -427,3 +427,34 @@ def test_no_new_preemption_while_a_paused_answer_is_overdue():
 
     assert decide(paused_for=3.0) == [9]
     assert decide(paused_for=11.0) == []
+
+
+def test_a_replica_priced_slow_by_stale_first_tokens_gets_the_next_request() -> None:
+    """G32 (guidellm on real vLLM): after a burst one replica's prefill correction, timed beside
+    9 streams, was 2.2× the other's; both nearly idle, GoRouting put every request on the other
+    one (its exec 0.26 s against 0.57), so no first token ever corrected it. With no first token
+    timed there for 10 s and none waiting, it takes the fleet's fresh figure, the next request
+    goes there, and that request's first token starts its window afresh."""
+    from slogate.router.placement.gorouting import GoRouting
+    from slogate.router.scheduler import Scheduler
+
+    busy, idle = view(rid=0, budget=8), view(rid=1, budget=8)
+    est = busy.model.raw_prefill(250) + busy.model.coeffs.t_c
+    running = req(9, arrival=50.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
+    busy.claim(running, 50.0)
+    busy.first_token(running, 50.0 + 10.0 * est)
+    for i in range(8):  # both timed their first tokens; the idle one's last 35 s ago, beside a burst
+        busy.model.observe_prefill(10.0 * est, 250, now=55.0 + i)
+        idle.model.observe_prefill(22.0 * est, 250, now=20.0 + i)
+    new = req(1, arrival=63.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
+    assert idle.estimate_exec(63.0, new) > busy.estimate_exec(63.0, new)  # as the stale figures price them
+    sched = Scheduler(GMAX(preempt=False), GoRouting())
+    assert sched.schedule(63.0, [new], [busy, idle]).dispatch == [(new, 1)]
+    assert idle.model.beta_p == busy.model.beta_p == 10.0
+    idle.first_token(new, 63.0 + 4.0 * est)  # timed alone there: the window holds this first token only
+    assert idle.model.beta_p == idle.model.beta_p_fast == pytest.approx(4.0) and idle.model.prefill_seen_at == 63.0 + 4.0 * est
+    # Fresh evidence is kept, slower or not: a replica whose first tokens are timed is priced by them.
+    for i in range(8):
+        idle.model.observe_prefill(30.0 * est, 250, now=63.5 + i)
+    Scheduler(GMAX(preempt=False), GoRouting()).schedule(72.0, [], [busy, idle])
+    assert idle.model.beta_p == 30.0

@@ -9,6 +9,7 @@ momentum θ: β ← θ·β + (1−θ)·mean(T_real / T_est) over a sliding windo
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -48,7 +49,8 @@ DEFAULT_PROFILE = "llama3.1-8b@a100-80g"
 class BatchLatencyModel:
     """Per-replica latency estimator; pure, so both drivers can feed it observations."""
 
-    __slots__ = ("_p_window", "_since_update", "_window", "beta", "beta_p_fast_learned", "beta_p_learned", "coeffs", "theta", "update_every")
+    __slots__ = ("_p_window", "_since_update", "_window", "beta", "beta_p_fast_learned", "beta_p_learned", "coeffs", "prefill_seen_at",
+                 "theta", "update_every")
 
     def __init__(self, coeffs: LatencyCoeffs, theta: float = 0.8, window: int = 32, update_every: int = 8) -> None:
         self.coeffs = coeffs
@@ -60,6 +62,7 @@ class BatchLatencyModel:
         # The window's 10th percentile: the prefill at its fastest lately, what a refusal holds
         # against (a first token timed beside other work comes late, never early; see beta_p_fast).
         self.beta_p_fast_learned: float | None = None
+        self.prefill_seen_at = -math.inf  # when a first token last taught the prefill correction (`view.refresh_prefill`)
         self.theta = theta
         self._window: deque[float] = deque(maxlen=window)
         self._p_window: deque[float] = deque(maxlen=window)
@@ -132,18 +135,26 @@ class BatchLatencyModel:
         return self.beta * self._decode(1024)
 
     # -- online correction ----------------------------------------------------------------
-    def observe_prefill(self, real_s: float, tokens: float, cached: float = 0.0) -> None:
+    def observe_prefill(self, real_s: float, tokens: float, cached: float = 0.0, now: float | None = None) -> None:
         """A request dispatched to an otherwise prefill-free replica had its first token after
-        `real_s`: its prefill of `tokens` over `cached` ones (and the step it shared) against
-        the profile's estimate. A
-        median over the window: one first token held up by the client or the network is noise."""
+        `real_s` (at `now`): its prefill of `tokens` over `cached` ones (and the step it shared)
+        against the profile's estimate. A median over the window: one first token held up by the
+        client or the network is noise."""
         est = self._prefill(tokens, cached) + self.coeffs.t_c
         if est <= 0 or real_s <= 0:
             return
+        if now is not None:
+            self.prefill_seen_at = now
         self._p_window.append(real_s / est)
         ratios = sorted(self._p_window)
         self.beta_p_learned = ratios[len(ratios) // 2]  # the median (high)
         self.beta_p_fast_learned = ratios[len(ratios) // 10]
+
+    def adopt_prefill(self, beta_p: float, beta_p_fast: float) -> None:
+        """Forget this replica's prefill evidence for the given corrections (the fleet's: see
+        `view.refresh_prefill`); the next first token timed here starts the window afresh."""
+        self._p_window.clear()
+        self.beta_p_learned, self.beta_p_fast_learned = beta_p, min(beta_p_fast, beta_p)
 
     def observe(self, real_s: float, estimated_raw_s: float) -> None:
         """Feed one measured batch (or token interval) against its uncorrected estimate."""

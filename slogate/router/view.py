@@ -16,6 +16,10 @@ from slogate.router.latency import BatchLatencyModel
 from slogate.router.prefix import PrefixCache, hit_tokens
 from slogate.router.request import Request, SLOClass
 
+# A replica's prefill correction with no first token timed there for this long is stale
+# (`refresh_prefill`).
+PREFILL_STALE_S = 10.0
+
 
 @dataclass(slots=True, eq=False)
 class ReplicaView:
@@ -141,7 +145,7 @@ class ReplicaView:
         if req.rid in self.solo and req.dispatched_at is not None:
             # Dispatched to an empty prefill queue: nothing ahead of it, so its first token
             # times the replica's prefill (what arrived later queued behind it).
-            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens - req.cached, req.cached)
+            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens - req.cached, req.cached, now)
         self.solo.discard(req.rid)
         self._dequeue(req, now)
         self.prefilled_at = now
@@ -323,6 +327,28 @@ def _stream_share(r: Request, now: float, delay: float) -> float:
     if r.kind in (SLOClass.DEADLINE, SLOClass.COMPOUND):
         return delay / max(r.deadline_at - now, 0.05)
     return 0.0
+
+
+def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float = PREFILL_STALE_S) -> list[ReplicaView]:
+    """A replica with no first token waiting and none timed for `stale_s`, whose prefill
+    correction is slower than the median of those renewed since, takes that median. Its own
+    figure is corrected only by a request placed there, and the slower figure keeps every
+    request away: after a burst a replica's first tokens had been timed beside 9 streams, its
+    correction stayed 2.2× the other's, and with both replicas nearly idle every request went
+    to the other one for the rest of the run (guidellm at 0.45 req/s on real vLLM, one engine
+    at 13% of a core: docs/benchmarks.md, G32). Nothing waits for a first token there, so the
+    next request placed there times its prefill alone and the window starts from it. Returns
+    the replicas that took it."""
+    fresh = [p.model for p in replicas if now - p.model.prefill_seen_at < stale_s]
+    if not fresh or len(fresh) == len(replicas):
+        return []
+    mid = sorted(m.beta_p for m in fresh)[len(fresh) // 2]
+    fast = sorted(m.beta_p_fast for m in fresh)[len(fresh) // 2]
+    out = [p for p in replicas if p.model.beta_p > mid and now - p.model.prefill_seen_at >= stale_s and not p.prefill_queue
+           and not p.remote_prefill and p.healthy and p.role != "decode"]
+    for p in out:
+        p.model.adopt_prefill(mid, fast)
+    return out
 
 
 def fleet_stream_cost(replicas: Sequence[ReplicaView]) -> float | None:
