@@ -445,12 +445,13 @@ def test_a_replica_priced_slow_by_stale_first_tokens_gets_the_next_request() -> 
     busy.first_token(running, 50.0 + 10.0 * est)
     for i in range(8):  # both timed their first tokens; the idle one's last 35 s ago, beside a burst
         busy.model.observe_prefill(10.0 * est, 250, now=55.0 + i)
-        idle.model.observe_prefill(22.0 * est, 250, now=20.0 + i)
+        idle.model.observe_prefill((2.0 if i == 0 else 22.0) * est, 250, now=20.0 + i)
     new = req(1, arrival=63.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
     assert idle.estimate_exec(63.0, new) > busy.estimate_exec(63.0, new)  # as the stale figures price them
     sched = Scheduler(GMAX(preempt=False), GoRouting())
     assert sched.schedule(63.0, [new], [busy, idle]).dispatch == [(new, 1)]
     assert idle.model.beta_p == busy.model.beta_p == 10.0
+    assert idle.model.beta_p_fast == 2.0  # only ever down: its own fastest first token was faster than the fleet's
     idle.first_token(new, 63.0 + 4.0 * est)  # timed alone there: the window holds this first token only
     assert idle.model.beta_p == idle.model.beta_p_fast == pytest.approx(4.0) and idle.model.prefill_seen_at == 63.0 + 4.0 * est
     # Fresh evidence is kept, slower or not: a replica whose first tokens are timed is priced by them.

@@ -347,7 +347,7 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
     out = [p for p in replicas if p.model.beta_p > mid and now - p.model.prefill_seen_at >= stale_s and not p.prefill_queue
            and not p.remote_prefill and p.healthy and p.role != "decode"]
     for p in out:
-        p.model.adopt_prefill(mid, fast)
+        p.model.adopt_prefill(mid, min(fast, p.model.beta_p_fast))  # only ever down: a refusal holds against the faster
     return out
 
 
