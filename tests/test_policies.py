@@ -394,7 +394,7 @@ def test_gmax_refuses_a_first_token_only_when_even_the_fastest_recent_prefill_wo
     m = rep.model
     est = m.raw_prefill(1000) + m.coeffs.t_c
     for ratio in [10.0] * 4 + [40.0] * 28:
-        m.observe_prefill(ratio * est, 1000)
+        m.observe_prefill(ratio * est, 1000, now=0.0)
     assert m.beta_p == 40.0 and m.beta_p_fast == 10.0
     maybe = req(1, arrival=0.0, inp=1000, slo=SLO.latency(1.0, 0.05), bound=50)  # ~3.5 s by the median, ~0.9 s at the fastest
     never = req(2, arrival=0.0, inp=1000, slo=SLO.latency(0.5, 0.05), bound=50)

@@ -135,7 +135,7 @@ class BatchLatencyModel:
         return self.beta * self._decode(1024)
 
     # -- online correction ----------------------------------------------------------------
-    def observe_prefill(self, real_s: float, tokens: float, cached: float = 0.0, now: float | None = None) -> None:
+    def observe_prefill(self, real_s: float, tokens: float, cached: float = 0.0, *, now: float) -> None:
         """A request dispatched to an otherwise prefill-free replica had its first token after
         `real_s` (at `now`): its prefill of `tokens` over `cached` ones (and the step it shared)
         against the profile's estimate. A median over the window: one first token held up by the
@@ -143,8 +143,7 @@ class BatchLatencyModel:
         est = self._prefill(tokens, cached) + self.coeffs.t_c
         if est <= 0 or real_s <= 0:
             return
-        if now is not None:
-            self.prefill_seen_at = now
+        self.prefill_seen_at = now
         self._p_window.append(real_s / est)
         ratios = sorted(self._p_window)
         self.beta_p_learned = ratios[len(ratios) // 2]  # the median (high)

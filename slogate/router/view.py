@@ -145,7 +145,7 @@ class ReplicaView:
         if req.rid in self.solo and req.dispatched_at is not None:
             # Dispatched to an empty prefill queue: nothing ahead of it, so its first token
             # times the replica's prefill (what arrived later queued behind it).
-            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens - req.cached, req.cached, now)
+            self.model.observe_prefill(now - req.dispatched_at, req.context_tokens - req.cached, req.cached, now=now)
         self.solo.discard(req.rid)
         self._dequeue(req, now)
         self.prefilled_at = now
@@ -339,13 +339,18 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
     at 13% of a core: docs/benchmarks.md, G32). Nothing waits for a first token there, so the
     next request placed there times its prefill alone and the window starts from it. Returns
     the replicas that took it."""
-    fresh = [p.model for p in replicas if now - p.model.prefill_seen_at < stale_s]
-    if not fresh or len(fresh) == len(replicas):
+    fresh: list[BatchLatencyModel] = []
+    stale: list[ReplicaView] = []
+    for p in replicas:
+        if now - p.model.prefill_seen_at < stale_s:
+            fresh.append(p.model)
+        else:
+            stale.append(p)
+    if not fresh or not stale:
         return []
     mid = sorted(m.beta_p for m in fresh)[len(fresh) // 2]
     fast = sorted(m.beta_p_fast for m in fresh)[len(fresh) // 2]
-    out = [p for p in replicas if p.model.beta_p > mid and now - p.model.prefill_seen_at >= stale_s and not p.prefill_queue
-           and not p.remote_prefill and p.healthy and p.role != "decode"]
+    out = [p for p in stale if p.model.beta_p > mid and not p.prefill_queue and not p.remote_prefill and p.healthy and p.role != "decode"]
     for p in out:
         p.model.adopt_prefill(mid, min(fast, p.model.beta_p_fast))  # only ever down: a refusal holds against the faster
     return out
