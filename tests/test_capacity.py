@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 from helpers import req, view
@@ -589,3 +590,28 @@ def test_the_decode_line_is_fitted_on_the_steps_no_prefill_shared() -> None:
     assert decode.budget - steep.budget <= 1
     both = learner(line_from_decode=True, stall_prior_s=10.0)
     assert both._n_at(0.0425) > steep._n_at(0.0425) + 3 and both.budget >= 9, (both._n_at(0.0425), both.budget)
+
+
+def test_a_demand_the_engine_carries_within_the_target_is_held_and_overload_is_not() -> None:
+    """`demand_margin`: a replica whose line (20 ms + 2.8 ms a stream) allows 8 streams at the 0.85
+    margin and 9.8 at 0.95 of a 50 ms TBT. Held full at 8 with a small queue while a seventh of
+    what is offered is refused (S32's heavy but feasible load), the demand is ~9.4 streams: the
+    budget rises to hold it. Refusing as much as it admits (overload), the demand is past 9.8 and
+    the margin's budget stays; off, it stays too."""
+    def run(demand_margin: float, refused: float) -> CapacityLearner:
+        lr = CapacityLearner(cap=48, start=8, demand_margin=demand_margin)
+        for n in range(4, 9):
+            for _ in range(8):
+                lr.observe(n, 0.020 + 0.0028 * n)
+        for t in range(30):
+            for _ in range(12):
+                lr.observe(8, 0.020 + 0.0028 * 8)
+            lr.update(float(t), 0.05, 8, queued=0.2, admitted=1.0, refused=refused)
+        return lr
+
+    held = run(0.95, 0.15)
+    assert held.fit is not None and abs(held._n_at(0.0425) - 8.0) < 0.2
+    assert 9.0 < held.demand < 9.8 and held.budget == math.ceil(held.demand) == 10
+    assert run(0.0, 0.15).budget == 8  # off: the margin's budget
+    over = run(0.95, 1.0)
+    assert over.demand > 9.8 and over.budget == 8  # past the knee: refusing the excess keeps the rest on time

@@ -142,7 +142,8 @@ def run(learn: bool, silent_every: int = 0, lines: list[bytes] | None = None, no
         budget = gauge(gw.url, "slogate_replica_budget", backend="e")
         if probe is not None:
             learner = app.state.gateway.fleet.backends[0].learner
-            probe.update(asked=asked, fit=learner.fit if learner is not None else None)
+            probe.update(asked=asked, fit=learner.fit if learner is not None else None,
+                         admitted=learner.admitted if learner is not None else None)
     return gaps[int(0.9 * (len(gaps) - 1))], budget or 0
 
 
@@ -183,6 +184,7 @@ def test_chunks_that_carry_several_tokens_are_counted_per_token(ids: bool) -> No
         if budget < 32:
             break
     assert 4 <= budget <= 8, budget
+    assert probe["admitted"] > 0.5  # the fleet tells the learner what it placed (`demand_margin`'s demand): ~20 clients, 30-token answers
     a, b = probe["fit"]
     assert a + 6 * b <= 0.055, probe["fit"]  # the engine's 40 ms at 6 (timer slop on a busy box); counted per chunk: 80
     content = [ln for ln in lines if b'"content"' in ln]

@@ -229,6 +229,11 @@ class CapacityConfig(_Strict):
                                     "allows and no request was refused: a stream more in a burst then costs the decode step alone, so "
                                     "bursts are not held at a budget set for a replica kept full. Off by default: not yet shown to win "
                                     "at and past the knee (docs/benchmarks.md, sitting G20d).")
+    demand_margin: float = Field(LearnerKnobs.demand_margin, ge=0, le=1, description="Where a replica's demand over ~10 s (what "
+                                 "it held and was waiting for it, scaled by the requests offered over those admitted: a refused one "
+                                 "would have stayed as long) fits below the n its line allows at this share of the TBT target, its "
+                                 "budget rises to hold it; past the knee the demand does not fit and `margin`'s budget stays "
+                                 "(0: off). Work between the two margins is work the engine carries within the target.")
     stall_prior_s: float = Field(LearnerKnobs.stall_prior_s, ge=0, le=600, description="Seconds of evidence that prefills cost "
                                  "nothing which each replica's prefill price starts with (fading as the real evidence does): a "
                                  "load's first burst prefills every stream a replica holds within a few seconds, which priced alone "

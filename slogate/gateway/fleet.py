@@ -112,6 +112,7 @@ class Fleet:
         self.queued: Callable[[], int] = lambda: 0  # requests with an SLO waiting for a slot (the handler's queues)
         self.refused = 0  # requests refused by the admission queues (the handler's hooks count them)
         self._refused_seen = 0  # of those, what the learners were told
+        self._claims_seen = 0  # of the requests placed on the replicas (their views' claims), what the learners were told
         for b in cfg.backends:
             if not b.discovered:
                 self.add(b, checked=True)
@@ -377,12 +378,14 @@ class Fleet:
         healthy = max(1, sum(b.view.healthy for b in self.backends))
         queued = self.queued() / healthy
         refused, self._refused_seen = (self.refused - self._refused_seen) / healthy, self.refused
+        claims = sum(b.view.claims for b in self.backends)
+        admitted, self._claims_seen = (claims - self._claims_seen) / healthy, claims
         for b in self.backends:
             v = b.view
             ext = int(b.external + 0.5)
             learned = b.cfg.budget
             if b.learner is not None:
-                learned = learned_budget(b.learner, v, now, ext, queued, refused)
+                learned = learned_budget(b.learner, v, now, ext, queued, refused, admitted)
                 self.metrics.margin.labels(b.name).set(b.learner.margin_now)
                 if log.isEnabledFor(logging.DEBUG):
                     lr = b.learner

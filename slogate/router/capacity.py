@@ -167,6 +167,17 @@ class CapacityLearner:
     # guidellm runs each way decided nothing, and the simulator gained 3% at 1.5× its knee and lost
     # 4% at 2× (docs/benchmarks.md, sitting G20d).
     price_by_arrivals: bool = False
+    # Hold the demand where it fits below this margin (0: off). The margin prices the pace's spread
+    # from one second to the next; a sustained demand between the margin's n and this one's is
+    # work the engine carries within the target (round robin at ~6.5 streams a replica streamed a
+    # TPOT p50 of 43 ms against 50 where the 0.85 margin held 5.5 and refused a quarter of what
+    # it could have served: docs/benchmarks.md, S32). The demand is `load` scaled by the requests
+    # offered over those admitted (the refused would have stayed as long: Little's law), so a
+    # budget that refuses does not hide the demand it refuses. Past the knee the demand is beyond
+    # this n and the margin's budget stays: refusing the excess keeps the rest on time.
+    demand_margin: float = 0.0
+    admitted: float = 0.0  # requests placed, this replica's share, per update over ~10 s (`update`'s `admitted`)
+    _admitted_now: float = 0.0
     refused: float = 0.0  # requests refused, this replica's share, per update over ~10 s (`update`'s `refused`)
     _refused_now: float = 0.0  # refused since the last update
     bins: dict[int, _Bin] = field(default_factory=dict)
@@ -299,18 +310,21 @@ class CapacityLearner:
         return max(1, min(self.floor, self.cap))
 
     def update(self, now: float, target_s: float | None, inflight: int, period_s: float = 1.0, queued: float = 0.0,
-               refused: float = 0.0) -> int:
+               refused: float = 0.0, admitted: float = 0.0) -> int:
         """Re-decide the budget (at most once per `period_s`) for streams that need `target_s`
         per token (None: no stream in flight has a TBT target); `inflight`: what the replica holds;
         `queued`: its share of the requests with an SLO waiting for a slot (the demand beyond it);
-        `refused`: its share of the requests refused since the last call (demand turned away)."""
+        `refused`: its share of the requests refused since the last call (demand turned away);
+        `admitted`: its share of those placed since the last call."""
         self._refused_now += refused
+        self._admitted_now += admitted
         if now - self.last_update < period_s:
             self._grow_between(now, target_s, inflight)
             return self.budget
         self.last_update = now
         self.load = self._ew(self.load, inflight + queued, self.load_weight)
         self.refused, self._refused_now = self._ew(self.refused, self._refused_now, self.load_weight), 0.0
+        self.admitted, self._admitted_now = self._ew(self.admitted, self._admitted_now, self.load_weight), 0.0
         recent, recent_n, self.recent, self.recent_n = self.recent, self.recent_n, [], []
         decode, self.recent_decode = self.recent_decode, []
         self.last_second = recent  # what this update judged (the gateway's debug log)
@@ -403,6 +417,8 @@ class CapacityLearner:
                 self._grown_at = now
         elif self.fit is None and inflight >= self.budget and (self.pace is None or self.pace < goal):
             self.budget = min(self.cap, self.budget + 1)  # additive increase while full and fast
+        elif self.demand_margin and self.fit is not None and not self._growing:
+            self.budget = max(self.budget, self._demand_n(target_s))
         self.overdraft = self._overdraft(target_s, goal if self.lend_to is None else self.lend_to * target_s, inflight)
         self.lend_now = min(self.overdraft, self._overdraft(target_s, self.lend_now_below * target_s, inflight))
         self.burst = 0
@@ -598,6 +614,22 @@ class CapacityLearner:
             n = max(n, min((pace - a - self.stall * d) / b, max(self.bins)))
         return n
 
+    @property
+    def demand(self) -> float | None:
+        """The streams the requests offered here would hold (~10 s): `load`, scaled by the
+        requests offered over those admitted (a refused one would have stayed as long)."""
+        if self.load is None:
+            return None
+        return self.load * (self.admitted + self.refused) / self.admitted if self.admitted > 0 else self.load
+
+    def _demand_n(self, target_s: float) -> int:
+        """`demand_margin`'s budget: the demand, rounded up, where it fits below the line's n at
+        that margin of `target_s`; 0 where it does not (past the knee) or nothing is known."""
+        d = self.demand
+        if d is None or d > self._n_at(self.demand_margin * target_s):
+            return 0
+        return min(math.ceil(d), self.cap)
+
     def _overdraft(self, target_s: float, lend_goal: float, inflight: int) -> int:
         """Slots above the budget for first tokens that would be lost waiting: as many more streams
         as the measured pace can take, at the line's cost per stream, and still stay below
@@ -661,6 +693,7 @@ class LearnerKnobs:
     lend_in_bursts: bool = CapacityLearner.lend_in_bursts
     margin_from_streams: bool = CapacityLearner.margin_from_streams
     price_by_arrivals: bool = CapacityLearner.price_by_arrivals
+    demand_margin: float = CapacityLearner.demand_margin
     stall_prior_s: float = CapacityLearner.stall_prior_s
     line_from_decode: bool = CapacityLearner.line_from_decode
     # The scheduler's last resort before a refusal (Scheduler.absorb, ReplicaView.absorbs). On by
@@ -680,7 +713,7 @@ class LearnerKnobs:
                                margin=self.margin, on_stalls=self.on_stalls, stalls_below=self.stalls_below, overdraft_on=self.overdraft,
                                lend_to=self.lend_to, lend_now_below=self.lend_now_below, lend_in_bursts=self.lend_in_bursts,
                                margin_from_streams=self.margin_from_streams, price_by_arrivals=self.price_by_arrivals,
-                               stall_prior_s=self.stall_prior_s, line_from_decode=self.line_from_decode)
+                               demand_margin=self.demand_margin, stall_prior_s=self.stall_prior_s, line_from_decode=self.line_from_decode)
 
 
 def stream_pace(req: Request) -> float | None:
@@ -707,18 +740,18 @@ def waiting_demand(waiting: Iterable[Request]) -> int:
 
 
 def learned_budget(learner: CapacityLearner, view: ReplicaView, now: float, external: int = 0, queued: float = 0.0,
-                   refused: float = 0.0) -> int:
+                   refused: float = 0.0, admitted: float = 0.0) -> int:
     """One learning step for a replica, the same in the gateway and the simulator: the pace its
     latency streams can afford now is the target, and what it holds (plus `external` requests
     that other clients run there) is the n the recent gaps were measured at; `queued`: the
     replica's share of the requests with an SLO waiting for a slot; `refused`: its share of the
-    requests refused since the last call. What it may admit is the
+    requests refused since the last call; `admitted`: of those placed. What it may admit is the
     budget plus the slots a burst may take (`lend_in_bursts`)."""
     for ratio in view.finished_paces:
         learner.judge(ratio)
     view.finished_paces.clear()
     target = affordable_pace(now, (*view.decoding.values(), *view.prefill_queue.values()))
-    budget = learner.update(now, target, view.inflight + external, queued=queued, refused=refused) + learner.burst
+    budget = learner.update(now, target, view.inflight + external, queued=queued, refused=refused, admitted=admitted) + learner.burst
     if learner.fit is not None:  # placement's cost of a stream (view.py); the last one stays while the learner probes again
         view.stream_cost = learner.fit[1]
     return budget

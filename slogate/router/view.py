@@ -54,6 +54,7 @@ class ReplicaView:
     # Mean TPOT / TBT of the streams finished here since the learner last looked (capacity.py);
     # bounded, since nothing drains it where budgets are not learned.
     finished_paces: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    claims: int = 0  # requests placed here, ever (`claim`): the drivers tell the learners the admitted demand by it
     slack_memo: tuple | None = None  # `_slack`'s answer for one decision (`absorbs` asks it per waiting request)
 
     @property
@@ -131,6 +132,7 @@ class ReplicaView:
         return True
 
     def claim(self, req: Request, now: float) -> None:
+        self.claims += 1
         req.replica = self.rid
         req.dispatched_at = now
         req.cached = self.cached_tokens(req)

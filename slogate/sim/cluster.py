@@ -143,6 +143,7 @@ class ClusterSim:
         self.tokens_processed = 0
         self.shed = 0
         self._shed_seen = 0  # of `shed`, what the learners were told (`_update_budgets`)
+        self._claims_seen = 0  # of the requests placed (the views' claims), the same
         self.preempted = 0
         self.decisions = 0
         self.now = 0.0
@@ -301,8 +302,10 @@ class ClusterSim:
         total = 0
         queued = waiting_demand(self.waiting.values()) / len(self.views)
         refused, self._shed_seen = (self.shed - self._shed_seen) / len(self.views), self.shed
+        claims = sum(v.claims for v in self.views)
+        admitted, self._claims_seen = (claims - self._claims_seen) / len(self.views), claims
         for v, lr in zip(self.views, self.learners, strict=True):
-            v.budget = max(1, learned_budget(lr, v, now, queued=queued, refused=refused))
+            v.budget = max(1, learned_budget(lr, v, now, queued=queued, refused=refused, admitted=admitted))
             v.overdraft, v.lend_now = lr.overdraft, lr.lend_now
             total += v.budget
         if sample:
