@@ -390,9 +390,9 @@ class Fleet:
                 if log.isEnabledFor(logging.DEBUG):
                     lr = b.learner
                     g = sorted(lr.last_second)
-                    log.debug("budget %s: %d (holds %d + %d external, %s over ~10 s; %d of it a burst's; lends %d, %d at once; margin %s by %d streams; decode line %s, prefill %.4f s/stream, pace %s; "
+                    log.debug("budget %s: %d (holds %d + %d external, %s over ~10 s, demand %s; %d of it a burst's; lends %d, %d at once; margin %s by %d streams; decode line %s, prefill %.4f s/stream, pace %s; "
                               "last second: %d gaps, mean %s, median %s, max %s; slow start %s; out of reach %s; bins %s)",
-                              b.name, learned, v.inflight, ext, lr.load and round(lr.load, 1), lr.burst, lr.overdraft, lr.lend_now,
+                              b.name, learned, v.inflight, ext, lr.load and round(lr.load, 1), (d := lr.demand) and round(d, 1), lr.burst, lr.overdraft, lr.lend_now,
                               lr.margin_now, len(lr.judged),
                               lr.fit, lr.stall, lr.pace, len(g),
                               *((round(sum(g) / len(g), 4), g[len(g) // 2], g[-1]) if g else (None, None, None)), lr.growing,
