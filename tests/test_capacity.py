@@ -11,7 +11,8 @@ from slogate.router.capacity import ANCHOR_S, CapacityLearner
 
 
 def drive(learner: CapacityLearner, itl, seconds: int, target: float, offered: int = 10_000, rng: random.Random | None = None) -> list[int]:
-    """Each second the replica holds min(budget, offered) sequences and reports 50 token gaps."""
+    """Each second the replica holds min(budget, offered) sequences and reports 50 token gaps; the
+    rest of what is offered waits for it (the demand `demand_margin` reads)."""
     rng = rng or random.Random(0)
     budgets = []
     t0 = learner.last_update + 1 if learner.last_update > -1e9 else 0.0
@@ -19,7 +20,7 @@ def drive(learner: CapacityLearner, itl, seconds: int, target: float, offered: i
         n = min(learner.budget, offered)
         for _ in range(50):
             learner.observe(n, itl(n) * rng.uniform(0.9, 1.1))
-        budgets.append(learner.update(float(t), target, n))
+        budgets.append(learner.update(float(t), target, n, queued=offered - n))
     return budgets
 
 

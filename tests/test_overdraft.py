@@ -172,7 +172,8 @@ def test_the_margin_moves_by_the_mean_tpot_of_the_streams_a_replica_finished() -
     from slogate.router.capacity import MARGIN_MOST, CapacityLearner, _Bin
 
     def learner(on: bool = True) -> CapacityLearner:
-        lr = CapacityLearner(48, start=8, lend_in_bursts=False, overdraft_on=False, margin_from_streams=on)
+        # demand_margin off: a replica held full with nothing waiting would hold what it holds
+        lr = CapacityLearner(48, start=8, lend_in_bursts=False, overdraft_on=False, margin_from_streams=on, demand_margin=0.0)
         lr.fit = (0.012, 0.0034)  # the knee's line: 12 ms + 3.4 ms a stream
         lr.bins = {n: _Bin(weight=10.0) for n in range(4, 14)}
         lr._line = lambda: lr.fit  # type: ignore[method-assign]

@@ -233,7 +233,8 @@ class CapacityConfig(_Strict):
                                  "it held and was waiting for it, scaled by the requests offered over those admitted: a refused one "
                                  "would have stayed as long) fits below the n its line allows at this share of the TBT target, its "
                                  "budget rises to hold it; past the knee the demand does not fit and `margin`'s budget stays "
-                                 "(0: off). Work between the two margins is work the engine carries within the target.")
+                                 "(0: off). Work between the two margins is work the engine carries within the target (0.95 since "
+                                 "docs/benchmarks.md, S33).")
     stall_prior_s: float = Field(LearnerKnobs.stall_prior_s, ge=0, le=600, description="Seconds of evidence that prefills cost "
                                  "nothing which each replica's prefill price starts with (fading as the real evidence does): a "
                                  "load's first burst prefills every stream a replica holds within a few seconds, which priced alone "
