@@ -57,9 +57,15 @@ def test_reconcile_joins_drains_revives_and_reaps() -> None:
     b.view.claim(req, 0.0)  # a request still runs there
     assert f.reap(set()) == [] and b in f.backends
     b.view.release(req, 1.0)
+    f.update_budgets()  # the learners have been told of b's request
     assert f.reap({b.view.rid}) == []  # a ticket still names it
     assert f.reap(set()) == [b]
     assert b not in f.backends and b.view.rid not in f.by_rid
+    a.view.claim(Request(2, 1.0, 10, SLO.deadline(5.0)), 1.0)
+    f.update_budgets()
+    # One placed since b left, whose own claims no longer count against the replicas left (none
+    # health-checked here: shared over 1). Before: 0, the replica that left hid a's request.
+    assert a.learner is not None and a.learner._admitted_now == 1.0
     assert len({x.view.rid for x in f.backends} | {b.view.rid}) == 3  # ids are never reused
 
 

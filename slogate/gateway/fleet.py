@@ -177,6 +177,7 @@ class Fleet:
         gone = [b for b in self.backends if b.state == "draining" and b.view.local_inflight == 0 and b.view.rid not in busy]
         for b in gone:
             self.backends.remove(b)
+            self._claims_seen -= b.view.claims  # what the learners count as placed goes on from the replicas left
             del self.by_rid[b.view.rid]
             self.metrics.forget(b.name)
             self.metrics.membership.labels("left").inc()
