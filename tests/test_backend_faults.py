@@ -210,6 +210,27 @@ def test_a_replica_still_prefilling_its_first_requests_is_not_called_silent() ->
     assert not moved and any(o.ended - o.started >= 2.4 for o in out), (moved, sorted(round(o.ended - o.started, 2) for o in out))
 
 
+def test_a_model_a_replica_has_just_told_is_served_before_the_health_pass_ends() -> None:
+    """A health pass sets what each replica serves, then awaits the others, then makes the model's
+    queue: a request in between was a 404 "does not exist. Served here: `sim-model`" (seen in CI).
+    Here the pass that learns the model is the only one (the next is an hour away), and the
+    queue is never made by it: the request makes it."""
+    import asyncio
+
+    engine = EngineProcess(None, "--fixed-ttft-ms", "20", "--fixed-itl-ms", "5")  # not started yet: the gateway's first pass learns nothing
+    cfg = GatewayConfig.model_validate({"backends": [{"url": engine.url, "budget": 4}], "health_interval_s": 3600})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    app = create_app(cfg)
+    with ServerThread(app) as gw, engine:
+        fleet = app.state.gateway.fleet
+        assert gw.loop is not None and not fleet.models()
+        b = fleet.backends[0]
+        asyncio.run_coroutine_threadsafe(fleet.check(b), gw.loop).result(timeout=10)  # what a pass does first, and no more
+        assert fleet.models() == [MODEL] and b.view.healthy and MODEL not in app.state.gateway.groups
+        r = httpx.post(f"{gw.url}/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+
+
 def test_a_model_is_not_called_missing_while_its_replica_has_not_started() -> None:
     """`slogate serve --backend URL` started beside a vLLM still loading its weights: until the
     replica has said which models it serves, a request for one is a 503 with Retry-After (come

@@ -334,6 +334,11 @@ class Gateway:
         model = body["model"]
         self.auth.check_model(key, model)
         adm = self.groups.get(model)
+        if adm is None and model in self.fleet.models():
+            # A replica has said it serves the model since the last health pass made its queue (one
+            # still running: `check_all` sets what each replica serves before it syncs the groups).
+            self._sync_groups()
+            adm = self.groups.get(model)
         if adm is None:
             raise self._unknown_model(model, key)
         now = time.monotonic()
