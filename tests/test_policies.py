@@ -459,3 +459,36 @@ def test_a_replica_priced_slow_by_stale_first_tokens_gets_the_next_request() -> 
         idle.model.observe_prefill(30.0 * est, 250, now=63.5 + i)
     Scheduler(GMAX(preempt=False), GoRouting()).schedule(72.0, [], [busy, idle])
     assert idle.model.beta_p == 30.0
+
+
+def test_a_replica_never_timed_takes_the_fleets_prefill_price_and_a_shared_prefill_times_nothing() -> None:
+    """G34 (guidellm on real vLLM, both replicas idle at the start): the replica not yet timed kept
+    the profile's prefill price (7x too fast on CPU engines) and drew the next two requests; the
+    first of them, joined by the second before its first token, came 2.4x slower than a prefill
+    alone, and that one figure priced the replica out for 15 s (7 streams against 2). A replica
+    never timed takes the fleet's figure, and a first token whose prefill another one joined
+    teaches nothing."""
+    from slogate.router.placement.gorouting import GoRouting
+    from slogate.router.scheduler import Scheduler
+
+    timed, cold = view(rid=0, budget=8), view(rid=1, budget=8)
+    est = timed.model.raw_prefill(250) + timed.model.coeffs.t_c
+    first = req(1, arrival=0.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
+    timed.claim(first, 0.0)
+    timed.first_token(first, 7.0 * est)
+    assert timed.model.beta_p == pytest.approx(7.0) and cold.model.beta_p_learned is None
+    new = req(2, arrival=1.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
+    Scheduler(GMAX(preempt=False), GoRouting()).schedule(1.0, [], [timed, cold])
+    assert cold.model.beta_p == pytest.approx(7.0)  # up, not only down: no evidence of its own
+    assert cold.estimate_exec(1.0, new) == pytest.approx(timed.estimate_exec(1.0, new) - timed.n_decode * timed.model.b_d)
+    # Two prefills sharing steps: neither first token times the replica's prefill.
+    a, b = (req(i, arrival=2.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215) for i in (3, 4))
+    cold.claim(a, 2.0)
+    cold.claim(b, 2.1)
+    cold.first_token(a, 2.0 + 17.0 * est)
+    cold.first_token(b, 2.1 + 17.0 * est)
+    assert cold.model.beta_p == pytest.approx(7.0)
+    c = req(5, arrival=5.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
+    cold.claim(c, 5.0)  # alone again (the others decode): its first token times it
+    cold.first_token(c, 5.0 + 5.0 * est)
+    assert cold.model.beta_p == pytest.approx(5.0)

@@ -140,6 +140,10 @@ class ReplicaView:
             self.cache.insert(req.prefix)  # its prompt is computed here next: later prompts hit it
         if not self.prefill_queue and not self.remote_prefill:
             self.solo.add(req.rid)
+        else:  # vLLM batches prefills: one queued here now shares its steps, so its first token no
+            # longer times a prefill alone (one such, 2.4x the solo one, kept a replica priced out
+            # for 15 s: guidellm on real vLLM, docs/benchmarks.md G34)
+            self.solo.clear()
         self._enqueue(req)
         self.ts_prefill = now
 
@@ -339,8 +343,8 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
     correction stayed 2.2× the other's, and with both replicas nearly idle every request went
     to the other one for the rest of the run (guidellm at 0.45 req/s on real vLLM, one engine
     at 13% of a core: docs/benchmarks.md, G32). Nothing waits for a first token there, so the
-    next request placed there times its prefill alone and the window starts from it. Returns
-    the replicas that took it."""
+    next request placed there times its prefill alone and the window starts from it. A replica
+    never timed takes the median whatever it is (below). Returns the replicas that took it."""
     fresh: list[BatchLatencyModel] = []
     stale: list[ReplicaView] = []
     for p in replicas:
@@ -352,7 +356,11 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
         return []
     mid = sorted(m.beta_p for m in fresh)[len(fresh) // 2]
     fast = sorted(m.beta_p_fast for m in fresh)[len(fresh) // 2]
-    out = [p for p in stale if p.model.beta_p > mid and not p.prefill_queue and not p.remote_prefill and p.healthy and p.role != "decode"]
+    # A replica never timed takes the fleet's figure either way: the profile's (5-10x too fast on
+    # CPU engines) drew every request there until its first token, then the price it learned
+    # from it alone pushed them all away.
+    out = [p for p in stale if p.healthy and p.role != "decode" and (p.model.beta_p_learned is None or (
+        p.model.beta_p > mid and not p.prefill_queue and not p.remote_prefill))]
     for p in out:
         p.model.adopt_prefill(mid, min(fast, p.model.beta_p_fast))  # only ever down: a refusal holds against the faster
     return out
