@@ -466,8 +466,10 @@ def test_a_replica_never_timed_takes_the_fleets_prefill_price_and_a_shared_prefi
     the profile's prefill price (7x too fast on CPU engines) and drew the next two requests; the
     first of them, joined by the second before its first token, came 2.4x slower than a prefill
     alone, and that one figure priced the replica out for 15 s (7 streams against 2). A replica
-    never timed takes the fleet's figure, and a first token whose prefill another one joined
-    teaches nothing."""
+    never timed takes the others' figure, a first token whose prefill another one joined teaches
+    nothing, and a replica's own first tokens set its price alone only once there are
+    PRIOR_FIRST_TOKENS of them (fewer are weighed against the others')."""
+    from slogate.router.latency import PRIOR_FIRST_TOKENS
     from slogate.router.placement.gorouting import GoRouting
     from slogate.router.scheduler import Scheduler
 
@@ -488,7 +490,13 @@ def test_a_replica_never_timed_takes_the_fleets_prefill_price_and_a_shared_prefi
     cold.first_token(a, 2.0 + 17.0 * est)
     cold.first_token(b, 2.1 + 17.0 * est)
     assert cold.model.beta_p == pytest.approx(7.0)
-    c = req(5, arrival=5.0, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
-    cold.claim(c, 5.0)  # alone again (the others decode): its first token times it
-    cold.first_token(c, 5.0 + 5.0 * est)
-    assert cold.model.beta_p == pytest.approx(5.0)
+    sched = Scheduler(GMAX(preempt=False), GoRouting())
+    for i in range(PRIOR_FIRST_TOKENS):  # alone again (the others decode): each first token times it
+        c = req(5 + i, arrival=5.0 + i, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
+        cold.claim(c, 5.0 + i)
+        cold.first_token(c, 5.0 + i + 3.0 * est)
+        sched.schedule(5.5 + i, [], [timed, cold])
+        # Weighed against the other's figure until its own are the majority, then its own.
+        assert cold.model.beta_p == pytest.approx(7.0 if i + 1 <= PRIOR_FIRST_TOKENS // 2 else 3.0)
+    # The replica timed once is weighed against the other's eight too: its one first token is outvoted.
+    assert timed.model.prior_p == (pytest.approx(3.0), pytest.approx(3.0)) and timed.model.beta_p == pytest.approx(3.0)

@@ -8,11 +8,12 @@ concurrency budget. Drivers mutate it through `claim` / `first_token` / `release
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from slogate.router.latency import BatchLatencyModel
+from slogate.router.latency import PRIOR_FIRST_TOKENS, BatchLatencyModel
 from slogate.router.prefix import PrefixCache, hit_tokens
 from slogate.router.request import Request, SLOClass
 
@@ -343,8 +344,10 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
     correction stayed 2.2× the other's, and with both replicas nearly idle every request went
     to the other one for the rest of the run (guidellm at 0.45 req/s on real vLLM, one engine
     at 13% of a core: docs/benchmarks.md, G32). Nothing waits for a first token there, so the
-    next request placed there times its prefill alone and the window starts from it. A replica
-    never timed takes the median whatever it is (below). Returns the replicas that took it."""
+    next request placed there times its prefill alone and the window starts from it. Returns
+    the replicas that took it. First, each replica with fewer than PRIOR_FIRST_TOKENS first
+    tokens of its own is told the others' figures (`share_prefill`)."""
+    share_prefill(replicas)
     fresh: list[BatchLatencyModel] = []
     stale: list[ReplicaView] = []
     for p in replicas:
@@ -356,14 +359,39 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
         return []
     mid = sorted(m.beta_p for m in fresh)[len(fresh) // 2]
     fast = sorted(m.beta_p_fast for m in fresh)[len(fresh) // 2]
-    # A replica never timed takes the fleet's figure either way: the profile's (5-10x too fast on
-    # CPU engines) drew every request there until its first token, then the price it learned
-    # from it alone pushed them all away.
-    out = [p for p in stale if p.healthy and p.role != "decode" and (p.model.beta_p_learned is None or (
-        p.model.beta_p > mid and not p.prefill_queue and not p.remote_prefill))]
+    out = [p for p in stale if p.model.beta_p > mid and not p.prefill_queue and not p.remote_prefill and p.healthy and p.role != "decode"]
     for p in out:
         p.model.adopt_prefill(mid, min(fast, p.model.beta_p_fast))  # only ever down: a refusal holds against the faster
     return out
+
+
+def share_prefill(replicas: Sequence[ReplicaView]) -> None:
+    """Each replica with fewer than PRIOR_FIRST_TOKENS first tokens of its own weighs them
+    against the median of the other replicas' own figures (`BatchLatencyModel.set_prior`): a
+    replica never timed takes them as they are, where the profile's figure (5-10x too fast on CPU
+    engines) drew every request to it until its first token, whose figure alone then pushed them
+    all away (docs/benchmarks.md, G34). O(N log N), and only while a replica is that new."""
+    if all(p.model.prefill_evidence >= PRIOR_FIRST_TOKENS for p in replicas):
+        return
+    own = [p.model.own_p for p in replicas]
+    mids = sorted(o[0] for o in own if o is not None)
+    fasts = sorted(o[1] for o in own if o is not None)
+    for p, o in zip(replicas, own, strict=True):
+        if p.model.prefill_evidence >= PRIOR_FIRST_TOKENS:
+            continue
+        mid = _median_without(mids, o[0] if o else None)
+        fast = _median_without(fasts, o[1] if o else None)
+        p.model.set_prior(None if mid is None or fast is None else (mid, fast))
+
+
+def _median_without(vals: list[float], v: float | None) -> float | None:
+    """The (high) median of sorted `vals` with one copy of `v` taken out (None: nothing is)."""
+    if v is None:
+        return vals[len(vals) // 2] if vals else None
+    if len(vals) < 2:
+        return None
+    m = (len(vals) - 1) // 2
+    return vals[m] if m < bisect_left(vals, v) else vals[m + 1]
 
 
 def fleet_stream_cost(replicas: Sequence[ReplicaView]) -> float | None:
