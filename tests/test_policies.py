@@ -465,10 +465,10 @@ def test_a_replica_never_timed_takes_the_fleets_prefill_price_and_a_shared_prefi
     """G34 (guidellm on real vLLM, both replicas idle at the start): the replica not yet timed kept
     the profile's prefill price (7x too fast on CPU engines) and drew the next two requests; the
     first of them, joined by the second before its first token, came 2.4x slower than a prefill
-    alone, and that one figure priced the replica out for 15 s (7 streams against 2). A replica
-    never timed takes the others' figure, a first token whose prefill another one joined teaches
-    nothing, and a replica's own first tokens set its price alone only once there are
-    PRIOR_FIRST_TOKENS of them (fewer are weighed against the others')."""
+    alone, and that one figure priced the replica out for 15 s (7 streams against 2). A first
+    token whose prefill another one joined teaches nothing, and until a replica has
+    PRIOR_FIRST_TOKENS first tokens of its own it is priced by the fleet's, pooled (a replica
+    never timed too): not by the other's alone, which swapped twins' noisy first figures."""
     from slogate.router.latency import PRIOR_FIRST_TOKENS
     from slogate.router.placement.gorouting import GoRouting
     from slogate.router.scheduler import Scheduler
@@ -496,7 +496,13 @@ def test_a_replica_never_timed_takes_the_fleets_prefill_price_and_a_shared_prefi
         cold.claim(c, 5.0 + i)
         cold.first_token(c, 5.0 + i + 3.0 * est)
         sched.schedule(5.5 + i, [], [timed, cold])
-        # Weighed against the other's figure until its own are the majority, then its own.
-        assert cold.model.beta_p == pytest.approx(7.0 if i + 1 <= PRIOR_FIRST_TOKENS // 2 else 3.0)
-    # The replica timed once is weighed against the other's eight too: its one first token is outvoted.
-    assert timed.model.prior_p == (pytest.approx(3.0), pytest.approx(3.0)) and timed.model.beta_p == pytest.approx(3.0)
+        # The pool's median: the other's 7 and its own 3s (the high median of [3, 7] is 7).
+        assert cold.model.beta_p == pytest.approx(7.0 if i == 0 else 3.0)
+        assert timed.model.beta_p == cold.model.beta_p  # twins priced alike while either is new
+    assert cold.model.prefill_evidence == PRIOR_FIRST_TOKENS and cold.model.prior_p is not None
+    for i in range(PRIOR_FIRST_TOKENS):  # the timed one times slow first tokens: its own figure only once it has 8
+        d = req(20 + i, arrival=20.0 + i, inp=250, slo=SLO.latency(1.0, 0.05), bound=215)
+        timed.claim(d, 20.0 + i)
+        timed.first_token(d, 20.0 + i + 9.0 * est)
+        sched.schedule(20.5 + i, [], [timed, cold])
+    assert timed.model.beta_p == pytest.approx(9.0) and cold.model.beta_p == pytest.approx(3.0)

@@ -44,15 +44,15 @@ PROFILES: dict[str, LatencyCoeffs] = {
     "llama3.1-8b@a100-80g": LatencyCoeffs(a_p=1.7e-9, b_p=3.4e-9, c_p=8.5e-5, a_d=8.2e-8, b_d=5.0e-5, t_c=1.1e-2),
 }
 DEFAULT_PROFILE = "llama3.1-8b@a100-80g"
-# First tokens a replica's own prefill figure needs before it stands alone; fewer are weighed
-# against the other replicas' figures (`BatchLatencyModel.set_prior`).
+# First tokens a replica's own prefill figure needs before it stands alone; until then the
+# fleet's pooled figure prices it (`BatchLatencyModel.set_prior`).
 PRIOR_FIRST_TOKENS = 8
 
 
 class BatchLatencyModel:
     """Per-replica latency estimator; pure, so both drivers can feed it observations."""
 
-    __slots__ = ("_p_window", "_since_update", "_window", "beta", "beta_p_fast_learned", "beta_p_learned", "coeffs", "own_p", "prefill_seen_at",
+    __slots__ = ("_p_window", "_since_update", "_window", "beta", "beta_p_fast_learned", "beta_p_learned", "coeffs", "prefill_seen_at",
                  "prior_p", "theta", "update_every")
 
     def __init__(self, coeffs: LatencyCoeffs, theta: float = 0.8, window: int = 32, update_every: int = 8) -> None:
@@ -66,10 +66,8 @@ class BatchLatencyModel:
         # against (a first token timed beside other work comes late, never early; see beta_p_fast).
         self.beta_p_fast_learned: float | None = None
         self.prefill_seen_at = -math.inf  # when a first token last taught the prefill correction (`view.refresh_prefill`)
-        # This replica's own evidence alone: (median, 10th percentile) of its window, None before any.
-        self.own_p: tuple[float, float] | None = None
-        # The other replicas' figures (`view.refresh_prefill`): a window shorter than
-        # PRIOR_FIRST_TOKENS is filled up with them, so a few first tokens do not set the price alone.
+        # The fleet's pooled figures (`view.share_prefill`): the price while this replica's window
+        # holds fewer than PRIOR_FIRST_TOKENS, so a few noisy first tokens do not set it alone.
         self.prior_p: tuple[float, float] | None = None
         self.theta = theta
         self._window: deque[float] = deque(maxlen=window)
@@ -153,31 +151,28 @@ class BatchLatencyModel:
             return
         self.prefill_seen_at = now
         self._p_window.append(real_s / est)
-        ratios = sorted(self._p_window)
-        self.own_p = (ratios[len(ratios) // 2], ratios[len(ratios) // 10])
         self._price_prefill()
 
     def _price_prefill(self) -> None:
-        """The median (high) and 10th percentile of the window, filled up to PRIOR_FIRST_TOKENS
-        with the prior's figures. One first token on real vLLM ranged 0.2–0.66 s for the same
-        prompt on an idle replica: two of them priced a replica at 3× its twin for 15 s and sent
-        it 2 streams against 8 (guidellm, docs/benchmarks.md G34)."""
-        n = len(self._p_window)
-        fill = PRIOR_FIRST_TOKENS - n if self.prior_p is not None and n < PRIOR_FIRST_TOKENS else 0
-        if not n and not fill:
+        """The window's median (high) and 10th percentile; while it holds fewer than
+        PRIOR_FIRST_TOKENS first tokens, the fleet's pooled figures (its own among them: `prior_p`)
+        where the scheduler has told it them. One first token on real vLLM ranged 0.2–0.66 s for
+        the same prompt on an idle replica: two of them priced a replica at 3× its twin for 15 s,
+        and it held 2 streams against 8 (guidellm, docs/benchmarks.md G34)."""
+        if len(self._p_window) < PRIOR_FIRST_TOKENS and self.prior_p is not None:
+            self.beta_p_learned, self.beta_p_fast_learned = self.prior_p
             return
-        prior_mid, prior_fast = self.prior_p or (0.0, 0.0)
-        ratios = sorted([*self._p_window, *[prior_mid] * fill])
-        fast = sorted([*self._p_window, *[prior_fast] * fill])
-        self.beta_p_learned = ratios[len(ratios) // 2]  # the median (high)
-        self.beta_p_fast_learned = fast[len(fast) // 10]
+        ratios = sorted(self._p_window)
+        if ratios:
+            self.beta_p_learned = ratios[len(ratios) // 2]  # the median (high)
+            self.beta_p_fast_learned = ratios[len(ratios) // 10]
 
-    def set_prior(self, prior: tuple[float, float] | None) -> None:
-        """The other replicas' (median, 10th percentile) corrections: what this one's short window
-        is filled up with (a replica never timed takes them as they are)."""
-        if prior == self.prior_p:
+    def set_prior(self, pooled: tuple[float, float] | None) -> None:
+        """The (median, 10th percentile) of the fleet's recent first tokens, pooled: this
+        replica's price while its own window is short (a replica never timed takes it too)."""
+        if pooled == self.prior_p:
             return
-        self.prior_p = prior
+        self.prior_p = pooled
         # A window just cleared for the fleet's figure (`adopt_prefill`) keeps it until timed again.
         if len(self._p_window) < PRIOR_FIRST_TOKENS and (self._p_window or self.beta_p_learned is None):
             self._price_prefill()
@@ -187,11 +182,14 @@ class BatchLatencyModel:
         """First tokens in this replica's window."""
         return len(self._p_window)
 
+    def recent_prefill(self, k: int) -> list[float]:
+        """The last `k` first tokens' corrections (what it adds to the fleet's pool)."""
+        return list(self._p_window)[-k:]
+
     def adopt_prefill(self, beta_p: float, beta_p_fast: float) -> None:
         """Forget this replica's prefill evidence for the given corrections (the fleet's: see
         `view.refresh_prefill`); the next first token timed here starts the window afresh."""
         self._p_window.clear()
-        self.own_p = None
         self.beta_p_learned, self.beta_p_fast_learned = beta_p, min(beta_p_fast, beta_p)
 
     def observe(self, real_s: float, estimated_raw_s: float) -> None:

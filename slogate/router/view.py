@@ -8,7 +8,6 @@ concurrency budget. Drivers mutate it through `claim` / `first_token` / `release
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -346,7 +345,7 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
     at 13% of a core: docs/benchmarks.md, G32). Nothing waits for a first token there, so the
     next request placed there times its prefill alone and the window starts from it. Returns
     the replicas that took it. First, each replica with fewer than PRIOR_FIRST_TOKENS first
-    tokens of its own is told the others' figures (`share_prefill`)."""
+    tokens of its own is priced by the fleet's pooled ones (`share_prefill`)."""
     share_prefill(replicas)
     fresh: list[BatchLatencyModel] = []
     stale: list[ReplicaView] = []
@@ -366,32 +365,20 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
 
 
 def share_prefill(replicas: Sequence[ReplicaView]) -> None:
-    """Each replica with fewer than PRIOR_FIRST_TOKENS first tokens of its own weighs them
-    against the median of the other replicas' own figures (`BatchLatencyModel.set_prior`): a
-    replica never timed takes them as they are, where the profile's figure (5-10x too fast on CPU
-    engines) drew every request to it until its first token, whose figure alone then pushed them
-    all away (docs/benchmarks.md, G34). O(N log N), and only while a replica is that new."""
+    """Each replica with fewer than PRIOR_FIRST_TOKENS first tokens of its own is priced by the
+    fleet's pooled ones (each replica's last PRIOR_FIRST_TOKENS: `BatchLatencyModel.set_prior`).
+    A replica never timed kept the profile's figure (5-10x too fast on CPU engines) and drew
+    every request until its first token, whose figure alone then pushed them all away; giving
+    each the other's figure instead swapped two noisy first tokens between twins
+    (docs/benchmarks.md, G34). Sorts at most PRIOR_FIRST_TOKENS x N figures, and only while a
+    replica is that new."""
     if all(p.model.prefill_evidence >= PRIOR_FIRST_TOKENS for p in replicas):
         return
-    own = [p.model.own_p for p in replicas]
-    mids = sorted(o[0] for o in own if o is not None)
-    fasts = sorted(o[1] for o in own if o is not None)
-    for p, o in zip(replicas, own, strict=True):
-        if p.model.prefill_evidence >= PRIOR_FIRST_TOKENS:
-            continue
-        mid = _median_without(mids, o[0] if o else None)
-        fast = _median_without(fasts, o[1] if o else None)
-        p.model.set_prior(None if mid is None or fast is None else (mid, fast))
-
-
-def _median_without(vals: list[float], v: float | None) -> float | None:
-    """The (high) median of sorted `vals` with one copy of `v` taken out (None: nothing is)."""
-    if v is None:
-        return vals[len(vals) // 2] if vals else None
-    if len(vals) < 2:
-        return None
-    m = (len(vals) - 1) // 2
-    return vals[m] if m < bisect_left(vals, v) else vals[m + 1]
+    pool = sorted(x for p in replicas for x in p.model.recent_prefill(PRIOR_FIRST_TOKENS))
+    pooled = (pool[len(pool) // 2], pool[len(pool) // 10]) if pool else None
+    for p in replicas:
+        if p.model.prefill_evidence < PRIOR_FIRST_TOKENS:
+            p.model.set_prior(pooled)
 
 
 def fleet_stream_cost(replicas: Sequence[ReplicaView]) -> float | None:
