@@ -158,7 +158,7 @@ class BatchLatencyModel:
         PRIOR_FIRST_TOKENS first tokens, the fleet's pooled figures (its own among them: `prior_p`)
         where the scheduler has told it them. One first token on real vLLM ranged 0.2–0.66 s for
         the same prompt on an idle replica: two of them priced a replica at 3× its twin for 15 s,
-        and it held 2 streams against 8 (guidellm, docs/benchmarks.md G34)."""
+        and the twin held 7 streams against its 2 (guidellm, docs/benchmarks.md G34)."""
         if len(self._p_window) < PRIOR_FIRST_TOKENS and self.prior_p is not None:
             self.beta_p_learned, self.beta_p_fast_learned = self.prior_p
             return
