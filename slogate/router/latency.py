@@ -49,6 +49,13 @@ DEFAULT_PROFILE = "llama3.1-8b@a100-80g"
 PRIOR_FIRST_TOKENS = 8
 
 
+def prefill_figures(ratios: list[float]) -> tuple[float, float]:
+    """(median (high), 10th percentile) of sorted prefill corrections: what estimates use, and
+    the fastest lately, what a refusal holds against. One definition for a replica's own window
+    and the fleet's pool."""
+    return ratios[len(ratios) // 2], ratios[len(ratios) // 10]
+
+
 class BatchLatencyModel:
     """Per-replica latency estimator; pure, so both drivers can feed it observations."""
 
@@ -162,10 +169,8 @@ class BatchLatencyModel:
         if len(self._p_window) < PRIOR_FIRST_TOKENS and self.prior_p is not None:
             self.beta_p_learned, self.beta_p_fast_learned = self.prior_p
             return
-        ratios = sorted(self._p_window)
-        if ratios:
-            self.beta_p_learned = ratios[len(ratios) // 2]  # the median (high)
-            self.beta_p_fast_learned = ratios[len(ratios) // 10]
+        if self._p_window:
+            self.beta_p_learned, self.beta_p_fast_learned = prefill_figures(sorted(self._p_window))
 
     def set_prior(self, pooled: tuple[float, float] | None) -> None:
         """The (median, 10th percentile) of the fleet's recent first tokens, pooled: this

@@ -13,7 +13,7 @@ from slogate.router.placement.base import PlacementPolicy
 from slogate.router.policies.base import OrderingPolicy
 from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
 from slogate.router.request import RESUME_WITHIN_S, Request, SLOClass
-from slogate.router.view import ReplicaView, fleet_stream_cost, refresh_prefill
+from slogate.router.view import ReplicaView, fleet_stream_cost, refresh_prefill, share_prefill
 
 log = logging.getLogger("slogate.scheduler")
 
@@ -79,7 +79,9 @@ class Scheduler:
     def schedule(self, now: float, waiting: Sequence[Request], replicas: Sequence[ReplicaView]) -> Decisions:
         """Dispatch into free slots by the ordering and placement; then first tokens that cannot
         wait into the replicas' overdraft slots; then streams being read that were shed."""
-        # A replica nothing is placed on would keep a stale prefill price for ever.
+        # A replica with few first tokens of its own is priced by the fleet's; one nothing is
+        # placed on would keep a stale prefill price for ever.
+        share_prefill(replicas)
         if (stale := refresh_prefill(now, replicas)) and log.isEnabledFor(logging.DEBUG):
             log.debug("prefill price of replica(s) %s stale: the fleet's now (%.2f)", [p.rid for p in stale], stale[0].model.beta_p)
         slots = sum(p.free for p in replicas if p.role != "decode")

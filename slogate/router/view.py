@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from slogate.router.latency import PRIOR_FIRST_TOKENS, BatchLatencyModel
+from slogate.router.latency import PRIOR_FIRST_TOKENS, BatchLatencyModel, prefill_figures
 from slogate.router.prefix import PrefixCache, hit_tokens
 from slogate.router.request import Request, SLOClass
 
@@ -344,9 +344,7 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
     to the other one for the rest of the run (guidellm at 0.45 req/s on real vLLM, one engine
     at 13% of a core: docs/benchmarks.md, G32). Nothing waits for a first token there, so the
     next request placed there times its prefill alone and the window starts from it. Returns
-    the replicas that took it. First, each replica with fewer than PRIOR_FIRST_TOKENS first
-    tokens of its own is priced by the fleet's pooled ones (`share_prefill`)."""
-    share_prefill(replicas)
+    the replicas that took it."""
     fresh: list[BatchLatencyModel] = []
     stale: list[ReplicaView] = []
     for p in replicas:
@@ -375,7 +373,7 @@ def share_prefill(replicas: Sequence[ReplicaView]) -> None:
     if all(p.model.prefill_evidence >= PRIOR_FIRST_TOKENS for p in replicas):
         return
     pool = sorted(x for p in replicas for x in p.model.recent_prefill(PRIOR_FIRST_TOKENS))
-    pooled = (pool[len(pool) // 2], pool[len(pool) // 10]) if pool else None
+    pooled = prefill_figures(pool) if pool else None
     for p in replicas:
         if p.model.prefill_evidence < PRIOR_FIRST_TOKENS:
             p.model.set_prior(pooled)
