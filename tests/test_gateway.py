@@ -110,6 +110,53 @@ def test_client_disconnect_frees_the_slot_and_aborts_upstream(fleet) -> None:
     assert metric(gw.url, "slogate_cancelled_total") >= 1
 
 
+def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees_the_slot() -> None:
+    """Starlette cancels the response when the client leaves; if that lands while it awaits the
+    send of an event (the relay parked at its `yield`), the relay is closed, not cancelled. Driven
+    through the ASGI app so the send is the place the client leaves, every run (a real socket
+    races the two: a CI run against real vLLM counted no cancellation)."""
+    with ServerThread(create_engine_app(MODEL)) as eng:
+        app = create_app(gateway_cfg([eng.url]))
+
+        async def run() -> tuple[float | None, float | None]:
+            async with app.router.lifespan_context(app):
+                gw = app.state.gateway
+                body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 5000,
+                                   "stream": True, "ignore_eos": True}).encode()
+                scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
+                         "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+                         "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
+                         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+                gone, sent = asyncio.Event(), asyncio.Event()
+                events = 0
+
+                async def receive() -> dict[str, Any]:
+                    if not sent.is_set():
+                        sent.set()
+                        return {"type": "http.request", "body": body, "more_body": False}
+                    await gone.wait()
+                    return {"type": "http.disconnect"}
+
+                async def send(msg: dict[str, Any]) -> None:
+                    nonlocal events
+                    events += msg["type"] == "http.response.body" and b'"content": "tok' in msg.get("body", b"")
+                    if events == 3:
+                        gone.set()
+                        await asyncio.Event().wait()  # the client is gone: this send never completes
+
+                await asyncio.wait_for(app(scope, receive, send), 10)
+                # Settled by the time the response returns: not whenever a garbage collection finds the relay.
+                return gw.metrics.registry.get_sample_value("slogate_cancelled_total", {"model": MODEL}), gw.fleet.backends[0].view.local_inflight
+
+        cancelled, inflight = asyncio.run(run())
+        assert cancelled == 1
+        assert inflight == 0  # its slot is free
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2 and metric(eng.url, "vllm:num_requests_running") > 0:
+            time.sleep(0.05)
+        assert metric(eng.url, "vllm:num_requests_running") == 0  # the engine stopped generating for it
+
+
 def test_metrics_count_goodput_per_class(fleet) -> None:
     gw, _ = fleet
     before = metric(gw.url, "slogate_token_goodput_total", slo_class="deadline")

@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from slogate.gateway.admission import Admission, AdmissionHooks, Ticket
@@ -39,7 +39,7 @@ from slogate.gateway.fleet import Backend, Fleet
 from slogate.gateway.kv_events import KVEventFeeds
 from slogate.gateway.metrics import Metrics
 from slogate.gateway.pacing import Pacer
-from slogate.gateway.relay import Relay, usage_of
+from slogate.gateway.relay import ClosingStreamingResponse, Relay, usage_of
 from slogate.gateway.schema import POOLING, validate_body
 from slogate.gateway.slo import Resolved, resolve
 from slogate.gateway.statesync import StateSync
@@ -393,7 +393,7 @@ class Gateway:
             return answer
         so = body.get("stream_options") or {}
         ex.client_usage = (bool(so.get("include_usage")), bool(so.get("include_usage") and so.get("continuous_usage_stats")))
-        return StreamingResponse(self.relay.stream(ex, self._pacer(req, res)), media_type="text/event-stream", headers=STREAM_HEADERS)
+        return ClosingStreamingResponse(self.relay.stream(ex, self._pacer(req, res)), media_type="text/event-stream", headers=STREAM_HEADERS)
 
     async def _dispatch(self, ex: Exchange, prompt: PromptInput | None, arrived: float, overhead: float) -> Response | None:
         """Queue `ex`, send it upstream; a whole answer (non-streamed, or the engine's 4xx) is

@@ -16,6 +16,8 @@ import time
 from collections.abc import AsyncIterator
 
 import aiohttp
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from slogate.gateway.admission import Ticket
 from slogate.gateway.errors import APIError
@@ -29,6 +31,19 @@ from slogate.router.lifecycle import call_goodput
 from slogate.router.request import SLOClass
 
 log = logging.getLogger("slogate.gateway")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body when the response ends, however it ends. Starlette leaves an unfinished
+    body generator to the garbage collector when the client leaves while a send is awaited (the
+    relay parked at its `yield`): until a collection the replica's slot stayed held, the engine
+    kept generating for nobody, and the request was never counted."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 class Relay:
@@ -88,8 +103,11 @@ class Relay:
         except APIError as e:  # a retry before the first token found no replica
             outcome = "failed"
             yield error_event(e.message)
-        except asyncio.CancelledError:
-            if not answered:  # a client that leaves after its [DONE] had its whole answer
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled inside an await here, or (the client left while Starlette awaited the send of
+            # our last event) closed at the `yield`: both are a client gone. One that leaves after
+            # its [DONE] had its whole answer.
+            if not answered:
                 outcome = "cancelled"
                 self.metrics.cancelled.labels(ex.labels[0]).inc()
             raise
