@@ -110,7 +110,8 @@ def test_client_disconnect_frees_the_slot_and_aborts_upstream(fleet) -> None:
     assert metric(gw.url, "slogate_cancelled_total") >= 1
 
 
-def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees_the_slot() -> None:
+@pytest.mark.parametrize("slo", [None, {"ttft_ms": 5000, "tbt_ms": 100}], ids=["unpaced", "paced"])
+def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees_the_slot(slo: dict[str, float] | None) -> None:
     """Starlette cancels the response when the client leaves; if that lands while it awaits the
     send of an event (the relay parked at its `yield`), the relay is closed, not cancelled. Driven
     through the ASGI app so the send is the place the client leaves, every run (a real socket
@@ -122,7 +123,7 @@ def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees
             async with app.router.lifespan_context(app):
                 gw = app.state.gateway
                 body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 5000,
-                                   "stream": True, "ignore_eos": True}).encode()
+                                   "stream": True, "ignore_eos": True, **({"slo": slo} if slo else {})}).encode()
                 scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
                          "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
                          "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json")],
