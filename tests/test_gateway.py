@@ -110,10 +110,11 @@ def test_client_disconnect_frees_the_slot_and_aborts_upstream(fleet) -> None:
     assert metric(gw.url, "slogate_cancelled_total") >= 1
 
 
-@pytest.mark.parametrize("slo", [None, {"ttft_ms": 5000, "tbt_ms": 100}], ids=["unpaced", "paced"])
-def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees_the_slot(slo: dict[str, float] | None) -> None:
+@pytest.mark.parametrize(("slo", "leave_at"), [(None, 3), ({"ttft_ms": 5000, "tbt_ms": 100}, 3), (None, 0)], ids=["unpaced", "paced", "at-headers"])
+def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees_the_slot(slo: dict[str, float] | None, leave_at: int) -> None:
     """Starlette cancels the response when the client leaves; if that lands while it awaits the
-    send of an event (the relay parked at its `yield`), the relay is closed, not cancelled. Driven
+    send of an event (the relay parked at its `yield`), the relay is closed, not cancelled; if it
+    lands while the headers are sent, the relay never started at all. Driven
     through the ASGI app so the send is the place the client leaves, every run (a real socket
     races the two: a CI run against real vLLM counted no cancellation)."""
     with ServerThread(create_engine_app(MODEL)) as eng:
@@ -141,7 +142,7 @@ def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees
                 async def send(msg: dict[str, Any]) -> None:
                     nonlocal events
                     events += msg["type"] == "http.response.body" and b'"content": "tok' in msg.get("body", b"")
-                    if events == 3:
+                    if events == leave_at:  # 0: the client leaves while the headers are sent, before any event was read
                         gone.set()
                         await asyncio.Event().wait()  # the client is gone: this send never completes
 

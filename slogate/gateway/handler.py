@@ -382,18 +382,26 @@ class Gateway:
             if not dc.gone:
                 raise
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            if ex.resp is not None:
-                ex.resp.close()  # drops the connection: the engine aborts the request
-            if ex.ticket is not None:
-                ex.adm.release(ex.ticket, completed=False)
-            self.metrics.cancelled.labels(model).inc()
-            self.metrics.requests.labels(*ex.labels, "cancelled").inc()
+            self._abandon(ex)
             return Response(status_code=499)
         if answer is not None:
             return answer
         so = body.get("stream_options") or {}
         ex.client_usage = (bool(so.get("include_usage")), bool(so.get("include_usage") and so.get("continuous_usage_stats")))
-        return ClosingStreamingResponse(self.relay.stream(ex, self._pacer(req, res)), media_type="text/event-stream", headers=STREAM_HEADERS)
+        return ClosingStreamingResponse(self.relay.stream(ex, self._pacer(req, res)), media_type="text/event-stream", headers=STREAM_HEADERS,
+                                        on_close=lambda: ex.ticket is not None and self._abandon(ex))
+
+    def _abandon(self, ex: Exchange) -> None:
+        """The client left while `ex` held its upstream and slot and no relay was there to let go of
+        them: waiting in the queue or for the engine's headers, or gone while the response's headers
+        were sent (its relay never ran)."""
+        if ex.resp is not None:
+            ex.resp.close()  # drops the connection: the engine aborts the request
+        if ex.ticket is not None:
+            ex.adm.release(ex.ticket, completed=False)
+            ex.ticket = None
+        self.metrics.cancelled.labels(ex.labels[0]).inc()
+        self.metrics.requests.labels(*ex.labels, "cancelled").inc()
 
     async def _dispatch(self, ex: Exchange, prompt: PromptInput | None, arrived: float, overhead: float) -> Response | None:
         """Queue `ex`, send it upstream; a whole answer (non-streamed, or the engine's 4xx) is

@@ -13,7 +13,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 from starlette.responses import StreamingResponse
@@ -34,16 +35,23 @@ log = logging.getLogger("slogate.gateway")
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """Closes its body when the response ends, however it ends. Starlette leaves an unfinished
-    body generator to the garbage collector when the client leaves while a send is awaited (the
-    relay parked at its `yield`): until a collection the replica's slot stayed held, the engine
-    kept generating for nobody, and the request was never counted."""
+    """Closes its body when the response ends, however it ends, then runs `on_close`. Starlette
+    leaves an unfinished body generator to the garbage collector when the client leaves while a
+    send is awaited (the relay parked at its `yield`): until a collection the replica's slot stayed
+    held, the engine kept generating for nobody, and the request was never counted. A client gone
+    while the headers were sent leaves a relay that never started, whose cleanup never runs:
+    `on_close` lets go of what it would have."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], object], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.on_close()
 
 
 class Relay:
