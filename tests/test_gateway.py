@@ -148,11 +148,14 @@ def test_a_client_that_leaves_while_its_event_is_being_sent_is_counted_and_frees
 
                 await asyncio.wait_for(app(scope, receive, send), 10)
                 # Settled by the time the response returns: not whenever a garbage collection finds the relay.
-                return gw.metrics.registry.get_sample_value("slogate_cancelled_total", {"model": MODEL}), gw.fleet.backends[0].view.local_inflight
+                readers = [t for t in asyncio.all_tasks() if "paced.<locals>.reader" in repr(t.get_coro())]
+                return (gw.metrics.registry.get_sample_value("slogate_cancelled_total", {"model": MODEL}), gw.fleet.backends[0].view.local_inflight,
+                        readers)
 
-        cancelled, inflight = asyncio.run(run())
+        cancelled, inflight, readers = asyncio.run(run())
         assert cancelled == 1
         assert inflight == 0  # its slot is free
+        assert not readers  # a paced stream's reader is gone (were it waiting for a slot to resume in, it would take one for nobody)
         t0 = time.monotonic()
         while time.monotonic() - t0 < 2 and metric(eng.url, "vllm:num_requests_running") > 0:
             time.sleep(0.05)

@@ -111,13 +111,17 @@ class Relay:
         except APIError as e:  # a retry before the first token found no replica
             outcome = "failed"
             yield error_event(e.message)
-        except (asyncio.CancelledError, GeneratorExit):
+        except (asyncio.CancelledError, GeneratorExit) as e:
             # Cancelled inside an await here, or (the client left while Starlette awaited the send of
             # our last event) closed at the `yield`: both are a client gone. One that leaves after
             # its [DONE] had its whole answer.
             if not answered:
                 outcome = "cancelled"
                 self.metrics.cancelled.labels(ex.labels[0]).inc()
+            if isinstance(e, GeneratorExit) and items is not source:
+                # Closed at the `yield`, the pacer was not unwound with us: its reader would go on,
+                # and one waiting for a slot to resume in would take it for nobody.
+                await items.aclose()  # type: ignore[attr-defined]
             raise
         finally:
             # Closing (not releasing) drops the connection unless the answer was read to the end,
