@@ -56,6 +56,13 @@ def test_every_auth_status_in_the_openai_shape() -> None:
         r = httpx.post(f"{url}/chat/completions", json={"model": MODEL, "messages": msg})
         assert r.status_code == 401 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
         basic = openai.OpenAI(base_url=url, api_key=BASIC, max_retries=0)
+        # The models a key may use, and only with a key; one it may not use does not exist for it.
+        assert httpx.get(f"{url}/models").status_code == 401 and httpx.get(f"{url}/models/{MODEL}").status_code == 401
+        assert [m.id for m in basic.models.list().data] == [MODEL] and basic.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError) as e5:
+            basic.models.retrieve("other-model")
+        assert e5.value.body["code"] == "model_not_found"
+        assert [m.id for m in openai.OpenAI(base_url=url, api_key=GOLD, max_retries=0).models.list().data] == ["other-model", MODEL]
         with pytest.raises(openai.PermissionDeniedError) as e2:
             basic.chat.completions.create(model="other-model", messages=msg, max_tokens=2)
         assert e2.value.body["code"] == "model_not_allowed"

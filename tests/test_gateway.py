@@ -50,6 +50,10 @@ def test_chat_completions_responses_stream_and_not(fleet) -> None:
     gw, _ = fleet
     c = client(gw)
     assert [m.id for m in c.models.list().data] == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("no-such-model")
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found" and "no-such-model" in e.value.body["message"]
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 12 and r.choices[0].message.content.count("tok") == 12
     chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=9, stream=True,

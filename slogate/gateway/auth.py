@@ -46,8 +46,12 @@ class Authenticator:
             raise APIError(401, "invalid API key", code="invalid_api_key")
         return k
 
+    @staticmethod
+    def may_use(k: KeyConfig | None, model: str) -> bool:
+        return k is None or not k.models or model in k.models
+
     def check_model(self, k: KeyConfig | None, model: str) -> None:
-        if k is not None and k.models and model not in k.models:
+        if not self.may_use(k, model):
             raise APIError(403, f"this key may not use model `{model}`", param="model", code="model_not_allowed")
 
     async def check_rate(self, k: KeyConfig | None, tokens: int) -> None:

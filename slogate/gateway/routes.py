@@ -30,11 +30,22 @@ def openai_routes(r: FastAPI, gw: Gateway) -> None:
     for kind in ("chat", "completions", "responses", *sorted(POOLING)):
         r.add_api_route(PATHS[kind], route(kind), methods=["POST"], response_model=None, name=kind)
 
+    # What a key may use, with a key where auth is on (/v1/* asks for one); not where the models are
+    # served: the replicas' addresses are the operator's (/admin/state), not every client's.
+    def model_object(m: str) -> dict[str, Any]:
+        return {"id": m, "object": "model", "created": 0, "owned_by": "slogate"}
+
     @r.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "slogate",
-                 "backends": [b.name for b in gw.backends if m in b.models]} for m in sorted(gw.groups)]
-        return {"object": "list", "data": data}
+    async def models(request: Request) -> dict[str, Any]:
+        key = gw.auth.identify(request.headers)
+        return {"object": "list", "data": [model_object(m) for m in sorted(gw.groups) if gw.auth.may_use(key, m)]}
+
+    @r.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> dict[str, Any]:
+        key = gw.auth.identify(request.headers)
+        if model not in gw.groups or not gw.auth.may_use(key, model):
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return model_object(model)
 
 
 def ops_routes(r: FastAPI, gw: Gateway) -> None:
