@@ -381,6 +381,9 @@ class Routed:
         self.running: list[list[float]] = []  # per sample, each engine's vllm:num_requests_running
         self.replicas: list[list[list[float]]] = []  # once a second: each replica's [budget, in flight] (slogate only)
         self.state: list[list[float]] | None = []  # once a second: the gateway's [budget, overdraft, in flight, queued] (slogate only)
+        # When each `state` row was read (time.monotonic()): the loop's scrapes take time, so row k is
+        # not second k (on a busy 2-core host ~1.3 s a row: a knee's refusals looked to fall in calm seconds).
+        self.state_t: list[float] = []
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, args=(list(engines),), daemon=True)
         if engines:
@@ -399,6 +402,7 @@ class Routed:
                         st = [[v for _, v in rows] for rows in per]
                         if st[0]:
                             self.state.append([sum(vs) for vs in st])
+                            self.state_t.append(time.monotonic())
                             # each replica's [budget, in flight], in the order of its label: where placement put them
                             by = [dict((lab.get("backend", ""), v) for lab, v in rows) for rows in (per[0], per[2])]
                             self.replicas.append([[by[0][k], by[1].get(k, 0.0)] for k in sorted(by[0])])
@@ -502,6 +506,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             "budget_p10_p50_p90": [pct(budgets, q) for q in (0.1, 0.5, 0.9)] if budgets else None,
             "budget_per_second": budgets or None, "shed": shed, "absorbed": absorbed,  # where a run's budget settles, and when (the knee's wrong refusals)
             "state_per_second": state or None,  # [budget, overdraft, in flight, queued], fleet sums
+            "state_at": [round(t - t_start, 2) for t in rt.state_t] if state else None,  # each row's time, s into the run (outcomes' clock)
             "preempted": preempted,
             "outcomes": outcomes}
 
