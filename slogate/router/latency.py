@@ -9,6 +9,7 @@ momentum θ: β ← θ·β + (1−θ)·mean(T_real / T_est) over a sliding windo
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, replace
@@ -49,6 +50,9 @@ DEFAULT_PROFILE = "llama3.1-8b@a100-80g"
 PRIOR_FIRST_TOKENS = 8
 
 
+_STAMPS = itertools.count(1)  # `BatchLatencyModel.prefill_version`
+
+
 def prefill_figures(ratios: list[float]) -> tuple[float, float]:
     """(median (high), 10th percentile) of sorted prefill corrections: what estimates use, and
     the fastest lately, what a refusal holds against. One definition for a replica's own window
@@ -60,7 +64,7 @@ class BatchLatencyModel:
     """Per-replica latency estimator; pure, so both drivers can feed it observations."""
 
     __slots__ = ("_p_window", "_since_update", "_window", "beta", "beta_p_fast_learned", "beta_p_learned", "coeffs", "prefill_seen_at",
-                 "prior_p", "theta", "update_every")
+                 "prefill_version", "prior_p", "theta", "update_every")
 
     def __init__(self, coeffs: LatencyCoeffs, theta: float = 0.8, window: int = 32, update_every: int = 8) -> None:
         self.coeffs = coeffs
@@ -73,9 +77,12 @@ class BatchLatencyModel:
         # against (a first token timed beside other work comes late, never early; see beta_p_fast).
         self.beta_p_fast_learned: float | None = None
         self.prefill_seen_at = -math.inf  # when a first token last taught the prefill correction (`view.refresh_prefill`)
-        # The fleet's pooled figures (`view.share_prefill`): the price while this replica's window
+        # The fleet's pooled figures (`view.FleetPrefill`): the price while this replica's window
         # holds fewer than PRIOR_FIRST_TOKENS, so a few noisy first tokens do not set it alone.
         self.prior_p: tuple[float, float] | None = None
+        # Stamped anew (unique across models) whenever the prefill window changes: the fleet's pool
+        # is pooled again only then (`view.FleetPrefill`). 0: never timed.
+        self.prefill_version = 0
         self.theta = theta
         self._window: deque[float] = deque(maxlen=window)
         self._p_window: deque[float] = deque(maxlen=window)
@@ -158,6 +165,7 @@ class BatchLatencyModel:
             return
         self.prefill_seen_at = now
         self._p_window.append(real_s / est)
+        self.prefill_version = next(_STAMPS)
         self._price_prefill()
 
     def _price_prefill(self) -> None:
@@ -195,6 +203,7 @@ class BatchLatencyModel:
         """Forget this replica's prefill evidence for the given corrections (the fleet's: see
         `view.refresh_prefill`); the next first token timed here starts the window afresh."""
         self._p_window.clear()
+        self.prefill_version = next(_STAMPS)
         self.beta_p_learned, self.beta_p_fast_learned = beta_p, min(beta_p_fast, beta_p)
 
     def observe(self, real_s: float, estimated_raw_s: float) -> None:

@@ -13,7 +13,7 @@ from slogate.router.placement.base import PlacementPolicy
 from slogate.router.policies.base import OrderingPolicy
 from slogate.router.registry import make_ordering, make_placement, ordering_params, parse_combo
 from slogate.router.request import RESUME_WITHIN_S, Request, SLOClass
-from slogate.router.view import ReplicaView, fleet_stream_cost, refresh_prefill, share_prefill
+from slogate.router.view import FleetPrefill, ReplicaView, fleet_stream_cost, refresh_prefill
 
 log = logging.getLogger("slogate.scheduler")
 
@@ -56,6 +56,7 @@ class Scheduler:
                  absorb_beside_deadlines: bool | str = False) -> None:
         self.ordering = ordering
         self.placement = placement
+        self.fleet_prefill = FleetPrefill()  # new replicas' prefill price: the fleet's pooled first tokens
         self.at_risk_s = at_risk_s  # a first token due within this (beyond its prefill) may take an overdraft slot
         self.absorb = absorb  # then, one still waiting goes where the streams running can absorb it (ReplicaView.absorbs)
         self.absorb_by = absorb_by  # the rule the streams running are kept on time by: "timeline" or "tpot"
@@ -81,7 +82,7 @@ class Scheduler:
         wait into the replicas' overdraft slots; then streams being read that were shed."""
         # A replica with few first tokens of its own is priced by the fleet's; one nothing is
         # placed on would keep a stale prefill price for ever.
-        share_prefill(replicas)
+        self.fleet_prefill.share(replicas)
         if (stale := refresh_prefill(now, replicas)) and log.isEnabledFor(logging.DEBUG):
             log.debug("prefill price of replica(s) %s stale: the fleet's now (%.2f)", [p.rid for p in stale], stale[0].model.beta_p)
         slots = sum(p.free for p in replicas if p.role != "decode")

@@ -362,21 +362,32 @@ def refresh_prefill(now: float, replicas: Sequence[ReplicaView], stale_s: float 
     return out
 
 
-def share_prefill(replicas: Sequence[ReplicaView]) -> None:
-    """Each replica with fewer than PRIOR_FIRST_TOKENS first tokens of its own is priced by the
-    fleet's pooled ones (each replica's last PRIOR_FIRST_TOKENS: `BatchLatencyModel.set_prior`).
+class FleetPrefill:
+    """`share`: each replica with fewer than PRIOR_FIRST_TOKENS first tokens of its own is priced
+    by the fleet's pooled ones (each replica's last PRIOR_FIRST_TOKENS: `BatchLatencyModel.set_prior`).
     A replica never timed kept the profile's figure (5-10x too fast on CPU engines) and drew
     every request until its first token, whose figure alone then pushed them all away; giving
     each the other's figure instead swapped two noisy first tokens between twins
-    (docs/benchmarks.md, G34). Sorts at most PRIOR_FIRST_TOKENS x N figures, and only while a
-    replica is that new."""
-    if all(p.model.prefill_evidence >= PRIOR_FIRST_TOKENS for p in replicas):
-        return
-    pool = sorted(x for p in replicas for x in p.model.recent_prefill(PRIOR_FIRST_TOKENS))
-    pooled = prefill_figures(pool) if pool else None
-    for p in replicas:
-        if p.model.prefill_evidence < PRIOR_FIRST_TOKENS:
-            p.model.set_prior(pooled)
+    (docs/benchmarks.md, G34). The pool (up to PRIOR_FIRST_TOKENS x N figures) is sorted again
+    only when some replica's window changed: sorted every decision while one replica was new,
+    it cost a fleet of 16 ~60 us and one of 128 ~0.5 ms a decision (bench/scheduler_scaling.py)."""
+
+    __slots__ = ("_key", "_pooled")
+
+    def __init__(self) -> None:
+        self._key: tuple[int, ...] | None = None
+        self._pooled: tuple[float, float] | None = None
+
+    def share(self, replicas: Sequence[ReplicaView]) -> None:
+        if all(p.model.prefill_evidence >= PRIOR_FIRST_TOKENS for p in replicas):
+            return
+        key = tuple(p.model.prefill_version for p in replicas)
+        if key != self._key:
+            pool = sorted(x for p in replicas for x in p.model.recent_prefill(PRIOR_FIRST_TOKENS))
+            self._pooled, self._key = (prefill_figures(pool) if pool else None), key
+        for p in replicas:
+            if p.model.prefill_evidence < PRIOR_FIRST_TOKENS:
+                p.model.set_prior(self._pooled)
 
 
 def fleet_stream_cost(replicas: Sequence[ReplicaView]) -> float | None:
