@@ -50,8 +50,10 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            self.on_close()
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self.on_close()  # even if the close was cancelled (a server shutting down)
 
 
 class Relay:
