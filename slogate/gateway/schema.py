@@ -231,7 +231,8 @@ def openapi(app: Any) -> dict[str, Any]:
         op["responses"] = {"200": {"description": "the answer (JSON), or a stream of server-sent events when `stream` is true",
                                    "content": {"application/json": {"schema": {"type": "object"}},
                                                "text/event-stream": {"schema": _SSE_EVENT}}}, **errors}
-    for path, codes in (("/health", ("503",)), ("/health/ready", ("503",)), ("/admin/state", ("401", "403"))):
+    for path, codes in (("/health", ("503",)), ("/health/ready", ("503",)), ("/admin/state", ("401", "403")),
+                        ("/v1/models", ("401",)), ("/v1/models/{model}", ("401", "404"))):
         for code in codes:
             schema["paths"][path]["get"]["responses"][code] = {
                 "description": "unavailable" if code == "503" else _ERRORS[code],
