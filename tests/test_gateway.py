@@ -218,6 +218,16 @@ def test_waiting_time_and_full_queue_refuse_with_retry_after() -> None:
         assert {r.json()["error"]["code"] for r in refused if r.status_code == 503} == {"queue_full"}
 
 
+def test_an_slo_no_engine_can_meet_is_refused_at_once_and_says_so(fleet) -> None:
+    """A first token due sooner than the prompt can be prefilled: refused on arrival, and the
+    message does not blame a load there is none of (the client would retry for ever)."""
+    gw, _ = fleet
+    r = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x " * 2000}],
+                                                          "max_tokens": 3, "stream": True, "slo": {"ttft_ms": 1, "tbt_ms": 50}}, timeout=10)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "slo_unattainable"
+    assert "even if it started now" in r.json()["error"]["message"] and "current load" not in r.json()["error"]["message"]
+
+
 def test_a_client_that_leaves_while_queued_is_dropped_from_the_queue() -> None:
     with ExitStack() as st:
         eng = st.enter_context(ServerThread(create_engine_app(MODEL)))

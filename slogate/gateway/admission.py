@@ -31,6 +31,8 @@ from slogate.router.scheduler import Scheduler
 from slogate.router.view import ReplicaView
 
 log = logging.getLogger("slogate.admission")
+# A refusal within this of arrival was decided on the request's first look: nothing it waited for made it late.
+AT_ONCE_S = 0.05
 
 
 @dataclass(eq=False)
@@ -330,5 +332,9 @@ class Admission:
         self._to_predict.pop(t.req.rid, None)
         if not t.fut.done():
             msg = {"waiting_time_exceeded": "not admitted within its waiting time", "slo_unattainable": "its SLO cannot be met at the current load"}
+            if reason == "slo_unattainable" and self.clock() - t.req.arrival < AT_ONCE_S:
+                # Refused on arrival: no load made it late (GMAX holds a refusal against the request's
+                # own prefill at its fastest lately), its SLO asks for less than that.
+                msg[reason] = "its SLO cannot be met even if it started now: its prompt takes longer to prefill here than its first token or deadline allows"
             t.fut.set_exception(APIError(429, f"request refused: {msg.get(reason, reason)}", code=reason, retry_after=self.retry_after()))
         self.hooks.refused(t, reason)
