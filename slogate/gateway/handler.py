@@ -389,12 +389,12 @@ class Gateway:
         so = body.get("stream_options") or {}
         ex.client_usage = (bool(so.get("include_usage")), bool(so.get("include_usage") and so.get("continuous_usage_stats")))
         return ClosingStreamingResponse(self.relay.stream(ex, self._pacer(req, res)), media_type="text/event-stream", headers=STREAM_HEADERS,
-                                        on_close=lambda: ex.ticket is not None and self._abandon(ex))
+                                        on_close=lambda: self._abandon(ex) if ex.ticket is not None else None)
 
     def _abandon(self, ex: Exchange) -> None:
         """The client left while `ex` held its upstream and slot and no relay was there to let go of
         them: waiting in the queue or for the engine's headers, or gone while the response's headers
-        were sent (its relay never ran)."""
+        were sent (its relay never ran; one that ran has settled, and holds no ticket)."""
         if ex.resp is not None:
             ex.resp.close()  # drops the connection: the engine aborts the request
         if ex.ticket is not None:
