@@ -479,9 +479,11 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
             if hit:
                 by_rule[rule][0] += 1
                 by_rule[rule][1] += r["n_out"]
-        # [status, tpot rule, timeline rule, TTFT, sent at (s into the run)]: which requests a knee loses, and why
+        # [status, tpot rule, timeline rule, TTFT, sent at (s into the run), kind, prompt / answer tokens, mean TPOT ms]:
+        # which requests a run loses, and why
+        tpot = (r["times"][-1] - r["times"][0]) / (r["n_out"] - 1) if len(r["times"]) > 1 and r["n_out"] > 1 else None
         outcomes.append([r["status"], int(m["tpot"]), int(m["timeline"]), round(r["times"][0] - r["t0"], 3) if r["times"] else None,
-                         round(r["t0"] - t_start, 3)])
+                         round(r["t0"] - t_start, 3), r["kind"][0], r["n_in"], r["n_out"], round(1000 * tpot, 1) if tpot else None])
     ok = [r for r in res if r["status"] == 200 and r["times"]]
     ttft = [r["times"][0] - r["t0"] for r in ok]
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r["times"]) if b > a]  # chunks, not padded tokens
