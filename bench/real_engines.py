@@ -716,6 +716,7 @@ def report(path: Path) -> str:
                    f"{r.get('goodput_timeline', 0):.0f} tok/s, {100 * r.get('attainment_timeline', 0):.0f}% | {r['token_goodput']:.0f} | "
                    f"{r['ttft_p50']} / {r['ttft_p95']} | {r.get('tpot_p50')} / {r.get('tpot_p90')} | {r.get('gap_p95')} / {r.get('gap_p99')} | "
                    f"{100 * r['router_cpu_share']:.0f}% | {'/'.join(f'{x:g}' for x in b) if b else '–'} |")
+    out += paired(rows)
     refusals = [r for r in rows if "refusals_wrong" in r]
     if refusals:
         right = sum(r["refusals_right"] for r in refusals)
@@ -725,6 +726,36 @@ def report(path: Path) -> str:
     if g_rows:
         out += report_guidellm(g_rows, scale)
     return "\n".join(out)
+
+
+def paired(rows: list[dict], tie: float = 0.01) -> list[str]:
+    """The first system against each other one, run by run on the same arrivals (same rate and
+    repeat): wins / ties / losses by each rule (a tie within `tie` of the larger) and the ratio of
+    the goodputs summed over those runs. On a shared 2-core host one system's runs of the same
+    arrivals differ by up to ~5% (docs/benchmarks.md, sitting S36's A/A pair): a difference of
+    medians that small says less than how the pairs fall."""
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    if len(systems) < 2:
+        return []
+    by = {(r["system"], r["rate"], r["repeat"]): r for r in rows}
+    first = next((s for s in systems if s.startswith("slogate")), systems[0])
+    systems = [first, *(s for s in systems if s != first)]
+    out = ["", f"Paired on the same arrivals, {first} against each system (wins / ties / losses, ratio of summed goodput):", "",
+           "| rate | against | runs | tpot rule | timeline rule |", "|---:|---|---:|---|---|"]
+    for rate in sorted({r["rate"] for r in rows}):
+        for other in systems[1:]:
+            pairs = [(a, by[(other, rate, rep)]) for (s, rt, rep), a in by.items() if s == first and rt == rate and (other, rate, rep) in by]
+            if not pairs:
+                continue
+            cells = []
+            for k in ("goodput_tpot", "goodput_timeline"):
+                won = sum(a[k] > b[k] and a[k] - b[k] > tie * max(a[k], b[k]) for a, b in pairs)
+                lost = sum(b[k] > a[k] and b[k] - a[k] > tie * max(a[k], b[k]) for a, b in pairs)
+                total = sum(b[k] for _, b in pairs)
+                ratio = f"{sum(a[k] for a, _ in pairs) / total:.2f}×" if total else "–"
+                cells.append(f"{won} / {len(pairs) - won - lost} / {lost}, {ratio}")
+            out.append(f"| {rate:g} | {other} | {len(pairs)} | " + " | ".join(cells) + " |")
+    return out
 
 
 def engine_bench_args(ap: argparse.ArgumentParser, rates: str, repeats: int, systems: str) -> None:

@@ -97,3 +97,22 @@ def test_the_guidellm_report_leaves_a_flooded_run_out_of_the_medians(tmp_path: P
     assert "| 210 tok/s / 52% /" in medians, medians  # the median of 200 and 220, not of 200, 220 and 0
     assert medians.endswith("| no valid run |"), medians
     assert sum("*flooded*" in line for line in r.stdout.splitlines() if line.startswith("| ")) == 2
+
+
+def test_the_report_pairs_runs_on_the_same_arrivals(tmp_path: Path) -> None:
+    """`--report` sets slogate against each peer run by run (same rate and repeat): wins / ties /
+    losses by each rule and the ratio of summed goodput, so a difference of medians inside one
+    system's run-to-run spread is read for what it is."""
+    def row(system: str, repeat: int, tpot: float, timeline: float) -> dict:
+        return {"system": system, "rate": 1.5, "repeat": repeat, "seed": repeat, "sent": 10, "refused": 0, "goodput_tpot": tpot,
+                "attainment_tpot": 1.0, "goodput_timeline": timeline, "attainment_timeline": 1.0, "token_goodput": tpot,
+                "ideal_output_tokens": 300.0, "ttft_p50": 0.3, "ttft_p95": 0.5, "router_cpu_share": 0.02, "outcomes": [[200, 1, 1]] * 10}
+
+    # Peer first in the file: slogate is still the one set against the others.
+    rows = [row("vllm-router", 0, 300, 300), row("slogate", 0, 330, 299),  # a win, and a tie within 1%
+            row("vllm-router", 1, 200, 250), row("slogate", 1, 100, 200)]  # two losses
+    out = tmp_path / "rows.json"
+    out.write_text(json.dumps({"rows": rows}))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--report", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "| 1.5 | vllm-router | 2 | 1 / 0 / 1, 0.86× | 0 / 1 / 1, 0.91× |" in r.stdout, r.stdout
