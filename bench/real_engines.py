@@ -483,7 +483,7 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
         # which requests a run loses, and why
         tpot = (r["times"][-1] - r["times"][0]) / (r["n_out"] - 1) if len(r["times"]) > 1 and r["n_out"] > 1 else None
         outcomes.append([r["status"], int(m["tpot"]), int(m["timeline"]), round(r["times"][0] - r["t0"], 3) if r["times"] else None,
-                         round(r["t0"] - t_start, 3), r["kind"][0], r["n_in"], r["n_out"], round(1000 * tpot, 1) if tpot else None])
+                         round(r["t0"] - t_start, 3), r["kind"][0], r["n_in"], r["n_out"], round(1000 * tpot, 1) if tpot is not None else None])
     ok = [r for r in res if r["status"] == 200 and r["times"]]
     ttft = [r["times"][0] - r["t0"] for r in ok]
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r["times"]) if b > a]  # chunks, not padded tokens
@@ -729,8 +729,8 @@ def report(path: Path) -> str:
 
 
 def paired(rows: list[dict], tie: float = 0.01) -> list[str]:
-    """The first system against each other one, run by run on the same arrivals (same rate and
-    repeat): wins / ties / losses by each rule (a tie within `tie` of the larger) and the ratio of
+    """slogate (else the first system) against each other one, run by run on the same arrivals (same
+    rate and repeat): wins / ties / losses by each rule (a tie within `tie` of the larger) and the ratio of
     the goodputs summed over those runs. On a shared 2-core host one system's runs of the same
     arrivals differ by up to ~5% (docs/benchmarks.md, sitting S36's A/A pair): a difference of
     medians that small says less than how the pairs fall."""
@@ -749,8 +749,8 @@ def paired(rows: list[dict], tie: float = 0.01) -> list[str]:
                 continue
             cells = []
             for k in ("goodput_tpot", "goodput_timeline"):
-                won = sum(a[k] > b[k] and a[k] - b[k] > tie * max(a[k], b[k]) for a, b in pairs)
-                lost = sum(b[k] > a[k] and b[k] - a[k] > tie * max(a[k], b[k]) for a, b in pairs)
+                won = sum(a[k] - b[k] > tie * max(a[k], b[k]) for a, b in pairs)
+                lost = sum(b[k] - a[k] > tie * max(a[k], b[k]) for a, b in pairs)
                 total = sum(b[k] for _, b in pairs)
                 ratio = f"{sum(a[k] for a, _ in pairs) / total:.2f}×" if total else "–"
                 cells.append(f"{won} / {len(pairs) - won - lost} / {lost}, {ratio}")
