@@ -275,6 +275,13 @@ def judge(r: dict) -> tuple[float, bool]:
     return led.token_goodput(), led.attained()
 
 
+def mean_tpot(r: dict) -> float | None:
+    """Seconds a token after the first, over the whole answer (guidellm's and `vllm bench serve`'s
+    TPOT: first to last token over n − 1); None for an answer of one token or fewer than two chunks."""
+    ts, n = r["times"], r["n_out"]
+    return (ts[-1] - ts[0]) / (n - 1) if n > 1 and len(ts) > 1 else None
+
+
 def met(r: dict) -> dict[str, bool]:
     """Whether `r` met its SLO by each rule: `tpot` (TTFT and mean TPOT, as guidellm and `vllm
     bench serve` judge) and `timeline` (token k by send + TTFT + k·TBT)."""
@@ -285,8 +292,8 @@ def met(r: dict) -> dict[str, bool]:
         ok = ts[-1] - r["t0"] <= TTFT_S + TBT_S * n
         return {"tpot": ok, "timeline": ok}
     ttft_ok = ts[0] - r["t0"] <= TTFT_S
-    tpot = (ts[-1] - ts[0]) / (n - 1) if n > 1 else 0.0
-    return {"tpot": ttft_ok and tpot <= TBT_S,
+    tpot = mean_tpot(r)
+    return {"tpot": ttft_ok and (tpot is None or tpot <= TBT_S),
             "timeline": all(t <= r["t0"] + TTFT_S + k * TBT_S for k, t in enumerate(ts))}
 
 
@@ -481,14 +488,13 @@ def run_one(system: str, urls: list[str], rate: float, duration: float, seed: in
                 by_rule[rule][1] += r["n_out"]
         # [status, tpot rule, timeline rule, TTFT, sent at (s into the run), kind, prompt / answer tokens, mean TPOT ms]:
         # which requests a run loses, and why
-        tpot = (r["times"][-1] - r["times"][0]) / (r["n_out"] - 1) if len(r["times"]) > 1 and r["n_out"] > 1 else None
+        tpot = mean_tpot(r)
         outcomes.append([r["status"], int(m["tpot"]), int(m["timeline"]), round(r["times"][0] - r["t0"], 3) if r["times"] else None,
                          round(r["t0"] - t_start, 3), r["kind"][0], r["n_in"], r["n_out"], round(1000 * tpot, 1) if tpot is not None else None])
     ok = [r for r in res if r["status"] == 200 and r["times"]]
     ttft = [r["times"][0] - r["t0"] for r in ok]
     gaps = [b - a for r in ok for a, b in itertools.pairwise(r["times"]) if b > a]  # chunks, not padded tokens
-    tpots = [(r["times"][-1] - r["times"][0]) / (r["n_out"] - 1) for r in ok if r["kind"] == "latency" and r["n_out"] > 1
-             and len(r["times"]) >= r["n_out"]]
+    tpots = [t for r in ok if r["kind"] == "latency" and len(r["times"]) >= r["n_out"] and (t := mean_tpot(r)) is not None]
     n = max(len(res), 1)
     return {"system": system, "rate": rate, "seed": seed, "sent": len(res),
             "completed": sum(r["status"] == 200 and len(r["times"]) >= r["n_out"] for r in res),

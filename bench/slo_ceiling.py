@@ -60,7 +60,7 @@ async def closed_loop(urls: list[str], k: int, warm: float, duration: float, req
     rules = [rb.met(r) for r in window]
     tokens = {rule: sum(r["n_out"] for r, m in zip(window, rules, strict=True) if m[rule]) for rule in ("tpot", "timeline")}
     mid = (start + end) / 2
-    tpots = [(r["times"][-1] - r["times"][0]) / (r["n_out"] - 1) for r in ok if r["n_out"] > 1 and len(r["times"]) >= r["n_out"]]
+    tpots = [t for r in ok if len(r["times"]) >= r["n_out"] and (t := rb.mean_tpot(r)) is not None]
     ttfts = [r["times"][0] - r["t0"] for r in ok if r["times"]]
     return {"k": k, "requests": len(window), "errors": len(window) - len(ok),
             "inflight_mid": sum(r["t0"] <= mid < r["t_end"] for r in every),  # k × replicas, or the loop is broken
