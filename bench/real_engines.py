@@ -313,6 +313,28 @@ async def replay(url: str, reqs: list[dict]) -> list[dict]:
     return out
 
 
+# The host probe: this many streams to every engine at once, of these prompt and answer lengths.
+PROBE = (4, 256, 64)
+# Two runs' hosts ran alike when their probes differ by at most this share (`paired`).
+PROBE_ALIKE = 0.05
+
+
+def probe(urls: list[str]) -> float | None:
+    """The host's pace now, whatever system runs next: PROBE's streams straight to every engine
+    at once, their median mean TPOT (ms). Taken before and after each run: on a shared 2-core host
+    the same system on the same arrivals ran its engines at 42 ms a token and an hour later at 32
+    (S36), and round robin's goodput on one seed fell from 111 to 29 tok/s within half an hour
+    (G37), so two runs compare systems only where their probes agree (`paired`)."""
+    n, n_in, n_out = PROBE
+    reqs = [{"i": k, "at": 0.0, "kind": "deadline", "n_in": n_in, "n_out": n_out, "prompt": prompt(n_in, random.Random(k))} for k in range(n)]
+
+    async def go() -> list[list[dict]]:
+        return await asyncio.gather(*(replay(u, reqs) for u in urls))
+
+    tpots = [t for rs in asyncio.run(go()) for r in rs if r["status"] == 200 and (t := mean_tpot(r)) is not None]
+    return round(1000 * statistics.median(tpots), 2) if tpots else None
+
+
 def save(out: Path | None, args: argparse.Namespace, rows: list[dict], **extra: object) -> None:
     """A sitting's rows with the arguments that made them, rewritten as each row comes (a crash
     later keeps what was measured); `extra`: more top-level keys (the summary)."""
@@ -712,8 +734,8 @@ def report(path: Path) -> str:
                          f"{m(rs, 'goodput_timeline'):.0f} tok/s, {100 * m(rs, 'attainment_timeline'):.0f}%")
         out.append(f"| {rate:g} req/s | {m(at, 'ideal_output_tokens'):.0f} | " + " | ".join(cells) + " |")
     out += ["", "| repeat | rate | system | sent | refused (wrong) | tpot rule | timeline rule | JITServe goodput | TTFT p50 / p95 | "
-            "TPOT p50 / p90 | gap p95 / p99 | router CPU | learned budget p10/p50/p90 |",
-            "|---:|---:|---|---:|---:|---|---|---:|---|---|---|---:|---|"]
+            "TPOT p50 / p90 | gap p95 / p99 | router CPU | learned budget p10/p50/p90 | host probe before / after, ms |",
+            "|---:|---:|---|---:|---:|---|---|---:|---|---|---|---:|---|---|"]
     for r in sorted(rows, key=lambda r: (r["rate"], r["repeat"], systems.index(r["system"]))):
         b = r.get("budget_p10_p50_p90")
         wrong = f" ({r['refusals_wrong']})" if "refusals_wrong" in r else ""
@@ -721,7 +743,8 @@ def report(path: Path) -> str:
                    f"{r.get('goodput_tpot', 0):.0f} tok/s, {100 * r.get('attainment_tpot', 0):.0f}% | "
                    f"{r.get('goodput_timeline', 0):.0f} tok/s, {100 * r.get('attainment_timeline', 0):.0f}% | {r['token_goodput']:.0f} | "
                    f"{r['ttft_p50']} / {r['ttft_p95']} | {r.get('tpot_p50')} / {r.get('tpot_p90')} | {r.get('gap_p95')} / {r.get('gap_p99')} | "
-                   f"{100 * r['router_cpu_share']:.0f}% | {'/'.join(f'{x:g}' for x in b) if b else '–'} |")
+                   f"{100 * r['router_cpu_share']:.0f}% | {'/'.join(f'{x:g}' for x in b) if b else '–'} | "
+                   f"{' / '.join(str(x) for x in r['probe_ms']) if r.get('probe_ms') else '–'} |")
     out += paired(rows)
     refusals = [r for r in rows if "refusals_wrong" in r]
     if refusals:
@@ -739,7 +762,8 @@ def paired(rows: list[dict], tie: float = 0.01) -> list[str]:
     rate and repeat): wins / ties / losses by each rule (a tie within `tie` of the larger) and the ratio of
     the goodputs summed over those runs. On a shared 2-core host one system's runs of the same
     arrivals differ by up to ~5% (docs/benchmarks.md, sitting S36's A/A pair): a difference of
-    medians that small says less than how the pairs fall."""
+    medians that small says less than how the pairs fall. Where the runs were probed (`probe`), a
+    second line keeps only the pairs whose host ran alike (`hosts_alike`)."""
     systems = list(dict.fromkeys(r["system"] for r in rows))
     if len(systems) < 2:
         return []
@@ -753,15 +777,35 @@ def paired(rows: list[dict], tie: float = 0.01) -> list[str]:
             pairs = [(a, by[(other, rate, rep)]) for (s, rt, rep), a in by.items() if s == first and rt == rate and (other, rate, rep) in by]
             if not pairs:
                 continue
-            cells = []
-            for k in ("goodput_tpot", "goodput_timeline"):
-                won = sum(a[k] - b[k] > tie * max(a[k], b[k]) for a, b in pairs)
-                lost = sum(b[k] - a[k] > tie * max(a[k], b[k]) for a, b in pairs)
-                total = sum(b[k] for _, b in pairs)
-                ratio = f"{sum(a[k] for a, _ in pairs) / total:.2f}×" if total else "–"
-                cells.append(f"{won} / {len(pairs) - won - lost} / {lost}, {ratio}")
-            out.append(f"| {rate:g} | {other} | {len(pairs)} | " + " | ".join(cells) + " |")
+            out.append(f"| {rate:g} | {other} | {len(pairs)} | " + " | ".join(_pair_cells(pairs, tie)) + " |")
+            if any(host_pace(a) is not None for a, _ in pairs):
+                alike = [(a, b) for a, b in pairs if hosts_alike(a, b)]
+                out.append(f"| {rate:g} | {other}, host alike | {len(alike)} | " + " | ".join(_pair_cells(alike, tie)) + " |")
     return out
+
+
+def _pair_cells(pairs: list[tuple[dict, dict]], tie: float) -> list[str]:
+    """Wins / ties / losses and the ratio of summed goodput, by each rule."""
+    cells = []
+    for k in ("goodput_tpot", "goodput_timeline"):
+        won = sum(a[k] - b[k] > tie * max(a[k], b[k]) for a, b in pairs)
+        lost = sum(b[k] - a[k] > tie * max(a[k], b[k]) for a, b in pairs)
+        total = sum(b[k] for _, b in pairs)
+        ratio = f"{sum(a[k] for a, _ in pairs) / total:.2f}×" if total else "–"
+        cells.append(f"{won} / {len(pairs) - won - lost} / {lost}, {ratio}")
+    return cells
+
+
+def host_pace(r: dict) -> float | None:
+    """The host's pace around a run: the mean of its probes (ms a token; `probe`), None if unprobed."""
+    got = [x for x in r.get("probe_ms") or [] if x is not None]
+    return sum(got) / len(got) if got else None
+
+
+def hosts_alike(a: dict, b: dict) -> bool:
+    """Both runs were probed and the host ran within PROBE_ALIKE of the same pace around each."""
+    pa, pb = host_pace(a), host_pace(b)
+    return pa is not None and pb is not None and abs(pa - pb) <= PROBE_ALIKE * max(pa, pb)
 
 
 def engine_bench_args(ap: argparse.ArgumentParser, rates: str, repeats: int, systems: str) -> None:
@@ -807,6 +851,9 @@ def main() -> None:
                          "1.27 s on another)")
     ap.add_argument("--sim-engines", type=Path, help="a fitted profile (sim_vs_real.py calibrate's): simulated engines "
                     "(`slogate engine`) on it instead of vLLM, our client only")
+    ap.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the host before and after each run (PROBE's streams straight to the engines, ~4 s each): "
+                         "the report pairs runs whose host ran alike")
     ap.add_argument("--max-output", type=int, default=MAX_OUT, help="cap on each answer's length (tokens): the tests' smoke run "
                     "uses a short one, so its streams end soon after the arrivals do")
     a = ap.parse_args()
@@ -841,6 +888,7 @@ def main() -> None:
             for rate in [float(x) for x in a.rates.split(",")]:
                 order = systems[rep % len(systems):] + systems[: rep % len(systems)]  # rotate: no system always goes first
                 for system in order:
+                    before = probe(urls) if a.probe else None
                     if a.client == "guidellm":
                         row = guidellm_one(system, urls, rate, a.duration, tmp, a.guidellm, model, seed=42 + rep)
                     elif a.client == "vllm-bench":
@@ -848,6 +896,9 @@ def main() -> None:
                     else:
                         row = run_one(system, urls, rate, a.duration, seed=rep, tmp=tmp)
                     row["repeat"] = rep
+                    if a.probe:
+                        time.sleep(2)  # the run's last streams drain first
+                        row["probe_ms"] = [before, probe(urls)]
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k not in ("outcomes", "engine_running", "state_per_second", "budget_per_second")}), flush=True)
                     save(a.out, a, rows)

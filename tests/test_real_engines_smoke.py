@@ -33,6 +33,7 @@ def test_real_engine_benchmark_runs_end_to_end(tmp_path: Path) -> None:
         assert row["ideal_goodput"] > 0 and row["token_goodput"] <= row["ideal_goodput"] + 0.1, row
         assert max(row["goodput_timeline"], row["goodput_tpot"]) <= row["ideal_output_tokens"] + 0.1, row
         assert len(row["outcomes"]) == row["sent"], row
+        assert len(row["probe_ms"]) == 2 and all(x is not None and x > 0 for x in row["probe_ms"]), row  # the host timed around each run
     table = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--report", str(out)], capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and all(f"| {s} |" in table.stdout for s in systems), table.stdout + table.stderr
 
@@ -116,3 +117,25 @@ def test_the_report_pairs_runs_on_the_same_arrivals(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--report", str(out)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "| 1.5 | vllm-router | 2 | 1 / 0 / 1, 0.86× | 0 / 1 / 1, 0.91× |" in r.stdout, r.stdout
+    assert "host alike" not in r.stdout, r.stdout  # runs without probes: no such line
+
+
+def test_the_report_pairs_apart_the_runs_whose_host_ran_alike(tmp_path: Path) -> None:
+    """Each run's host probe (before, after) travels with it; the pairs table adds a line with only
+    the pairs whose hosts ran within PROBE_ALIKE of each other, so a pair the host's drift decided
+    is told apart from one the systems did."""
+    def row(system: str, repeat: int, tpot: float, probe: list[float | None]) -> dict:
+        return {"system": system, "rate": 1.5, "repeat": repeat, "seed": repeat, "sent": 10, "refused": 0, "goodput_tpot": tpot,
+                "attainment_tpot": 1.0, "goodput_timeline": tpot, "attainment_timeline": 1.0, "token_goodput": tpot,
+                "ideal_output_tokens": 300.0, "ttft_p50": 0.3, "ttft_p95": 0.5, "router_cpu_share": 0.02, "outcomes": [[200, 1, 1]] * 10,
+                "probe_ms": probe}
+
+    rows = [row("slogate", 0, 330, [30.0, 31.0]), row("vllm-router", 0, 300, [30.5, None]),  # alike (30.5 vs 30.5): a win
+            row("slogate", 1, 100, [30.0, 30.0]), row("vllm-router", 1, 200, [40.0, 40.0])]  # the host 25% slower: left out
+    out = tmp_path / "rows.json"
+    out.write_text(json.dumps({"rows": rows}))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "real_engines.py"), "--report", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "| 1.5 | vllm-router | 2 | 1 / 0 / 1, 0.86× | 1 / 0 / 1, 0.86× |" in r.stdout, r.stdout
+    assert "| 1.5 | vllm-router, host alike | 1 | 1 / 0 / 0, 1.10× | 1 / 0 / 0, 1.10× |" in r.stdout, r.stdout
+    assert "| 30.0 / 31.0 |" in r.stdout and "| 30.5 / None |" in r.stdout, r.stdout
