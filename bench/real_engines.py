@@ -324,7 +324,8 @@ def probe(urls: list[str]) -> float | None:
     at once, their median mean TPOT (ms). Taken before and after each run: on a shared 2-core host
     the same system on the same arrivals ran its engines at 42 ms a token and an hour later at 32
     (S36), and round robin's goodput on one seed fell from 111 to 29 tok/s within half an hour
-    (G37), so two runs compare systems only where their probes agree (`paired`)."""
+    (G37). `paired` sets apart the pairs whose probes agree; in S37 those spread as widely as the
+    rest (docs/benchmarks.md), so a probe tells drift, not which pair to trust."""
     n, n_in, n_out = PROBE
     reqs = [{"i": k, "at": 0.0, "kind": "deadline", "n_in": n_in, "n_out": n_out, "prompt": prompt(n_in, random.Random(k))} for k in range(n)]
 
